@@ -1,0 +1,308 @@
+"""The one owner of the symmetric-buffer byte layout.
+
+Every rank allocates one buffer of ``BufferLayout.total_bytes`` with an identical
+layout.  Python views (``SymmBuffer``), the CUDA kernel (which receives these
+offsets as launch parameters and never re-derives them) and ``megamoe sizes``
+all read the segments computed here.
+
+Pool capacity (worst case: every token of every rank lands on this rank, each
+expert segment padded to ``block_m``)::
+
+    P = align(R * T * min(topk, E_local) + E_local * (block_m - 1), block_m)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Tuple
+
+from .errors import MegaMoEError
+
+SEGMENT_ALIGN_BYTES = 1024
+SCALE_BLOCK = 128
+
+DTYPE_BYTES: Dict[str, int] = {
+    "u64": 8,
+    "i64": 8,
+    "u32": 4,
+    "i32": 4,
+    "f32": 4,
+    "bf16": 2,
+    "fp8_e4m3": 1,
+}
+
+
+def align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The model side of a MoE layer: what every rank agrees on."""
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    num_topk: int
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "num_experts", "num_topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise MegaMoEError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("hidden", "intermediate"):
+            value = getattr(self, name)
+            if value % SCALE_BLOCK:
+                raise MegaMoEError(
+                    f"{name} must be a multiple of {SCALE_BLOCK} (the FP8 scale block), got {value}"
+                )
+        if self.num_topk > self.num_experts:
+            raise MegaMoEError(
+                f"num_topk must be between 1 and num_experts={self.num_experts}, got {self.num_topk}"
+            )
+
+    def flops_per_pair(self) -> int:
+        """FLOPs of one (token, expert) pair: L1 (2*I outputs) + L2 (H outputs)."""
+        return 2 * self.hidden * self.intermediate * 3
+
+
+# Real models' MoE layers.  Names are what `--preset` accepts.
+PRESETS: Dict[str, MoEShape] = {
+    "deepseek-v3": MoEShape(hidden=7168, intermediate=2048, num_experts=256, num_topk=8),
+    "seed-default": MoEShape(hidden=7168, intermediate=3072, num_experts=384, num_topk=6),
+    "qwen3-235b": MoEShape(hidden=4096, intermediate=1536, num_experts=128, num_topk=8),
+    "small": MoEShape(hidden=512, intermediate=256, num_experts=8, num_topk=2),
+}
+
+
+def preset(name: str) -> MoEShape:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise MegaMoEError(
+            f"unknown preset {name!r}; expected one of {', '.join(sorted(PRESETS))}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    offset: int
+    nbytes: int
+    writer: str
+    reader: str
+    reset: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Everything that fixes the byte layout of one rank's symmetric buffer."""
+
+    num_ranks: int
+    num_max_tokens_per_rank: int
+    shape: MoEShape
+    block_m: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_ranks, int) or self.num_ranks <= 0:
+            raise MegaMoEError(f"num_ranks must be a positive integer, got {self.num_ranks!r}")
+        if not isinstance(self.num_max_tokens_per_rank, int) or self.num_max_tokens_per_rank <= 0:
+            raise MegaMoEError(
+                f"num_max_tokens_per_rank must be a positive integer, got {self.num_max_tokens_per_rank!r}"
+            )
+        if self.shape.num_experts % self.num_ranks:
+            raise MegaMoEError(
+                f"num_experts={self.shape.num_experts} must be divisible by num_ranks={self.num_ranks}"
+            )
+        if not isinstance(self.block_m, int) or self.block_m <= 0 or self.block_m % 16 or self.block_m > 256:
+            raise MegaMoEError(f"block_m must be a multiple of 16 in [16, 256], got {self.block_m!r}")
+
+    @property
+    def num_experts_per_rank(self) -> int:
+        return self.shape.num_experts // self.num_ranks
+
+    @property
+    def num_max_pool_tokens(self) -> int:
+        e_local = self.num_experts_per_rank
+        worst = self.num_ranks * self.num_max_tokens_per_rank * min(self.shape.num_topk, e_local)
+        return align(worst + e_local * (self.block_m - 1), self.block_m)
+
+    @property
+    def num_max_pool_blocks(self) -> int:
+        return self.num_max_pool_tokens // self.block_m
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    config: BufferConfig
+    segments: List[Segment] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    def segment(self, name: str) -> Segment:
+        for seg in self.segments:
+            if seg.name == name:
+                return seg
+        raise KeyError(name)
+
+    def offsets(self) -> Dict[str, int]:
+        return {seg.name: seg.offset for seg in self.segments}
+
+    def to_dict(self) -> dict:
+        cfg = self.config
+        return {
+            "num_ranks": cfg.num_ranks,
+            "num_max_tokens_per_rank": cfg.num_max_tokens_per_rank,
+            "hidden": cfg.shape.hidden,
+            "intermediate": cfg.shape.intermediate,
+            "num_experts": cfg.shape.num_experts,
+            "num_topk": cfg.shape.num_topk,
+            "block_m": cfg.block_m,
+            "num_experts_per_rank": cfg.num_experts_per_rank,
+            "num_max_pool_tokens": cfg.num_max_pool_tokens,
+            "num_max_pool_blocks": cfg.num_max_pool_blocks,
+            "total_bytes": self.total_bytes,
+            "segments": [seg.to_dict() for seg in self.segments],
+        }
+
+
+# Who writes, who reads and when each word is reset.  "local" = this rank's
+# kernel; "peer r" = rank r's kernel writing through NVLink.
+_SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
+    "grid_sync": (
+        "local CTAs (atomic add, release)",
+        "local CTAs (acquire spin)",
+        "never: monotonic counters [0]=dispatch barrier, [1]=epilogue barrier, [2]=call epoch",
+    ),
+    "rank_flags": (
+        "peer r stores slot r (st.release.sys, monotonic epoch)",
+        "local CTA 0 (ld.acquire.sys spin)",
+        "never: values only grow",
+    ),
+    "expert_send_count": (
+        "local count phase (atomic add)",
+        "local CTA 0 (publishes counts to owners)",
+        "zeroed by the kernel's cleanup phase",
+    ),
+    "expert_recv_count": (
+        "peer r stores row r before the count barrier",
+        "local CTAs after the count barrier",
+        "overwritten every call",
+    ),
+    "l1_arrival": (
+        "local pull (red.release.gpu per landed row)",
+        "local L1 producer (ld.acquire.gpu)",
+        "zeroed by the kernel's cleanup phase",
+    ),
+    "l2_arrival": (
+        "local L1 epilogue (red.release.gpu per finished L1 tile)",
+        "local L2 producer (ld.acquire.gpu)",
+        "zeroed by the kernel's cleanup phase",
+    ),
+    "src_token_topk_idx": (
+        "peer r stores [expert][r][slot] = token*topk+k before the count barrier",
+        "local pull",
+        "overwritten every call",
+    ),
+    "pool_src_meta": (
+        "local pull: {source rank, token, topk slot, 0} per pool row",
+        "local L2 epilogue (where to push)",
+        "overwritten every call",
+    ),
+    "x": ("caller, before the call", "peers' pull (NVLink)", "caller"),
+    "x_sf": ("caller, before the call", "peers' pull (NVLink)", "caller"),
+    "topk_idx": ("caller, before the call", "local count and reduce", "caller"),
+    "topk_weights": ("caller, before the call", "peers' pull (NVLink)", "caller"),
+    "l1_pool": ("local pull", "local L1 GEMM (TMA)", "overwritten every call"),
+    "l1_pool_sf": ("local pull", "local L1 GEMM (TMA, M-major)", "overwritten every call"),
+    "l1_pool_weights": ("local pull", "local L1 epilogue", "overwritten every call"),
+    "l2_pool": ("local L1 epilogue", "local L2 GEMM (TMA)", "overwritten every call"),
+    "l2_pool_sf": ("local L1 epilogue", "local L2 GEMM (TMA, M-major)", "overwritten every call"),
+    "combine": (
+        "peers' L2 epilogue push (NVLink), slot [k][token]",
+        "local reduce after the combine barrier",
+        "overwritten every call (only valid slots are read)",
+    ),
+}
+
+
+def segment_doc(name: str) -> Tuple[str, str, str]:
+    return _SEGMENT_DOCS[name]
+
+
+def build_layout(config: BufferConfig) -> BufferLayout:
+    cfg = config
+    R = cfg.num_ranks
+    T = cfg.num_max_tokens_per_rank
+    H = cfg.shape.hidden
+    I = cfg.shape.intermediate
+    E = cfg.shape.num_experts
+    K = cfg.shape.num_topk
+    E_local = cfg.num_experts_per_rank
+    P = cfg.num_max_pool_tokens
+    B = cfg.num_max_pool_blocks
+
+    specs: List[Tuple[str, str, Tuple[int, ...]]] = [
+        ("grid_sync", "u64", (8,)),
+        ("rank_flags", "u64", (R,)),
+        ("expert_send_count", "u32", (E,)),
+        ("expert_recv_count", "u32", (R, E_local)),
+        ("l1_arrival", "u32", (B,)),
+        ("l2_arrival", "u32", (B,)),
+        ("src_token_topk_idx", "i32", (E_local, R, T)),
+        ("pool_src_meta", "i32", (P, 4)),
+        ("x", "fp8_e4m3", (T, H)),
+        ("x_sf", "f32", (T, H // SCALE_BLOCK)),
+        ("topk_idx", "i64", (T, K)),
+        ("topk_weights", "f32", (T, K)),
+        ("l1_pool", "fp8_e4m3", (P, H)),
+        ("l1_pool_sf", "f32", (H // SCALE_BLOCK, P)),
+        ("l1_pool_weights", "f32", (P,)),
+        ("l2_pool", "fp8_e4m3", (P, I)),
+        ("l2_pool_sf", "f32", (I // SCALE_BLOCK, P)),
+        ("combine", "bf16", (K, T, H)),
+    ]
+    segments: List[Segment] = []
+    offset = 0
+    for name, dtype, shape in specs:
+        nbytes = DTYPE_BYTES[dtype]
+        for dim in shape:
+            nbytes *= dim
+        writer, reader, reset = _SEGMENT_DOCS[name]
+        segments.append(Segment(name, dtype, tuple(shape), offset, nbytes, writer, reader, reset))
+        offset = align(offset + nbytes, SEGMENT_ALIGN_BYTES)
+    return BufferLayout(cfg, segments)
+
+
+WORKSPACE_SEGMENTS = (
+    "grid_sync",
+    "rank_flags",
+    "expert_send_count",
+    "expert_recv_count",
+    "l1_arrival",
+    "l2_arrival",
+    "src_token_topk_idx",
+    "pool_src_meta",
+)
+
+
+def workspace_bytes(layout: BufferLayout) -> int:
+    """Bytes from the buffer start to the end of the workspace (zeroed once at allocation)."""
+    return layout.segment(WORKSPACE_SEGMENTS[-1]).end
