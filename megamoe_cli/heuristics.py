@@ -1,0 +1,74 @@
+"""Kernel config choice: an analytic default, overridden by a measured (tuned) config when one exists.
+
+Pure policy: no launch code, no GPU.  A config is a plain dict; the kernel's launcher reads the
+keys it knows.  ``DEFAULT_KNOBS`` holds every key with its fixed default, so a new knob is one
+entry there (and, if it depends on the problem, one rule in ``default_config``).  Tuned entries
+written before a knob existed still work: ``choose_config`` lays them over the default.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+from . import tuned
+from .gpus import gpu_spec
+from .layout import MoEShape
+
+# Rows per pool block the kernel is compiled for, smallest first.  Only 64 today.
+SUPPORTED_BLOCK_M: Tuple[int, ...] = (64,)
+
+DEFAULT_KNOBS = {
+    # Rows per pool block (the GEMM's M tile); see _block_m().
+    "block_m": SUPPORTED_BLOCK_M[0],
+    # Shared-memory pipeline depth of the TMA -> WGMMA loop.
+    "num_stages": 4,
+    # SMs the persistent kernel occupies; None = every SM of the device.
+    "num_sms": None,
+    # Warps per CTA that pull peer tokens into the L1 pool.
+    "num_dispatch_warps": 4,
+}
+
+
+def expected_tokens_per_expert(shape: MoEShape, world_size: int, num_tokens_per_rank: int) -> float:
+    """Rows one expert receives under uniform routing: every rank's tokens times top-k over all experts."""
+    return world_size * num_tokens_per_rank * shape.num_topk / shape.num_experts
+
+
+def _block_m(expected_rows: float) -> int:
+    """The smallest supported block that holds an expert's expected rows, else the largest.
+
+    Regimes: decode-sized calls (deepseek-v3 on 8 ranks x 8 tokens: 2 rows per expert) waste
+    the least padding with the smallest block; prefill-sized calls (8 ranks x 8192 tokens:
+    2048 rows per expert) fill any block and want the largest for reuse of each weight tile.
+    """
+    for block_m in SUPPORTED_BLOCK_M:
+        if expected_rows <= block_m:
+            return block_m
+    return SUPPORTED_BLOCK_M[-1]
+
+
+def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, gpu: str) -> dict:
+    """The analytic config for one call shape on one GPU model (no measurement)."""
+    gpu_spec(gpu)  # an unknown GPU name is an error here, not a silent default
+    config = dict(DEFAULT_KNOBS)
+    config["block_m"] = _block_m(expected_tokens_per_expert(shape, world_size, num_tokens_per_rank))
+    return config
+
+
+def choose_config(
+    shape: MoEShape,
+    world_size: int,
+    num_tokens_per_rank: int,
+    gpu: str,
+    dtype: str = tuned.DEFAULT_DTYPE,
+    path: Optional[os.PathLike] = None,
+) -> Tuple[dict, str]:
+    """``(config, source)``: the tuned config of this exact token bucket (source ``"tuned"``),
+    else the analytic default (source ``"default"``)."""
+    config = default_config(shape, world_size, num_tokens_per_rank, gpu)
+    key = tuned.make_key(gpu, world_size, shape, num_tokens_per_rank, dtype)
+    found = tuned.lookup(key, path)
+    if found is None:
+        return config, "default"
+    return {**config, **found}, "tuned"

@@ -1,0 +1,207 @@
+"""The tuned-config store: the one file the runtime reads for measured kernel configs.
+
+Where: ``$MEGAMOE_TUNED_CONFIG`` if set, else ``~/.cache/megamoe/tuned.json``.
+
+What: a JSON object ``{"version": 1, "entries": {KEY: ENTRY}}``.  ``KEY`` is the string form of
+:class:`TunedKey`: GPU, world size, the MoE shape, the activation dtype and a token bucket.
+``ENTRY`` holds the ``config`` that won (the same keys ``heuristics.default_config`` returns) and
+the evidence for it: the measured time, the analytic default's time, the speedup, the date and
+the commit.
+
+Token bucket: tokens per rank rounded up to the next power of two (1, 2, 4, ..., 1024, 2048, ...).
+A config tuned at 3000 tokens per rank serves every call with 2049..4096 tokens per rank; tune at
+the bucket's upper edge (a power of two) to measure the bucket's worst case.
+
+Writes are safe against concurrent tuners and crashes: ``merge_and_save`` takes an exclusive
+``flock`` on a sidecar ``.lock`` file, re-reads the store under it, merges, writes a temporary file
+in the same directory, fsyncs it and renames it over the store with ``os.replace``.  An
+interrupted write leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Iterable, Mapping, Optional
+
+from .errors import MegaMoEError
+from .gpus import gpu_spec
+from .layout import MoEShape
+
+ENV_VAR = "MEGAMOE_TUNED_CONFIG"
+FORMAT_VERSION = 1
+DEFAULT_DTYPE = "fp8_e4m3"
+
+
+def default_path() -> Path:
+    override = os.environ.get(ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "megamoe" / "tuned.json"
+
+
+def token_bucket(num_tokens_per_rank: int) -> int:
+    """The next power of two >= ``num_tokens_per_rank`` (0 and 1 map to 1)."""
+    if not isinstance(num_tokens_per_rank, int) or num_tokens_per_rank < 0:
+        raise MegaMoEError(f"num_tokens_per_rank must be a non-negative integer, got {num_tokens_per_rank!r}")
+    return 1 << max(num_tokens_per_rank - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class TunedKey:
+    gpu: str
+    world_size: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    num_topk: int
+    dtype: str
+    token_bucket: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.gpu}/ws{self.world_size}/h{self.hidden}/i{self.intermediate}/"
+            f"e{self.num_experts}/k{self.num_topk}/{self.dtype}/t{self.token_bucket}"
+        )
+
+
+def make_key(
+    gpu: str,
+    world_size: int,
+    shape: MoEShape,
+    num_tokens_per_rank: int,
+    dtype: str = DEFAULT_DTYPE,
+) -> TunedKey:
+    """The key a call with ``num_tokens_per_rank`` tokens per rank looks up (its bucket)."""
+    return TunedKey(
+        gpu=gpu_spec(gpu).name,
+        world_size=world_size,
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        num_experts=shape.num_experts,
+        num_topk=shape.num_topk,
+        dtype=dtype,
+        token_bucket=token_bucket(num_tokens_per_rank),
+    )
+
+
+def current_commit() -> str:
+    """The git commit of the source tree this package runs from, or ``"unknown"``."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def make_entry(
+    key: TunedKey,
+    config: Mapping[str, object],
+    time_us: float,
+    default_time_us: float,
+    *,
+    date: Optional[str] = None,
+    commit: Optional[str] = None,
+) -> dict:
+    """One store entry: the winning ``config`` and the evidence (slowest-rank median times)."""
+    if time_us <= 0 or default_time_us <= 0:
+        raise MegaMoEError(
+            f"tuned times must be positive, got time_us={time_us!r} default_time_us={default_time_us!r}"
+        )
+    return {
+        "key": asdict(key),
+        "config": dict(config),
+        "time_us": float(time_us),
+        "default_time_us": float(default_time_us),
+        "speedup": float(default_time_us) / float(time_us),
+        "date": date or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit or current_commit(),
+    }
+
+
+def load(path: Optional[os.PathLike] = None) -> Dict[str, dict]:
+    """All entries by key string; a missing file is an empty store."""
+    path = Path(path) if path is not None else default_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise MegaMoEError(f"cannot read tuned config {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MegaMoEError(
+            f"tuned config {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+            f" (fix it, or delete it to start over)"
+        ) from None
+    return _validate(data, path)
+
+
+def _validate(data: object, path: Path) -> Dict[str, dict]:
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        raise MegaMoEError(f"tuned config {path} must be a JSON object with an \"entries\" object")
+    version = data.get("version")
+    if version != FORMAT_VERSION:
+        raise MegaMoEError(f"tuned config {path} has version {version!r}; this megamoe reads version {FORMAT_VERSION}")
+    entries = data["entries"]
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+            raise MegaMoEError(f"tuned config {path}: entry {name!r} has no \"config\" object")
+    return entries
+
+
+def lookup(key: TunedKey, path: Optional[os.PathLike] = None) -> Optional[dict]:
+    """The tuned config for exactly this key (same bucket), or None."""
+    entry = load(path).get(str(key))
+    return dict(entry["config"]) if entry is not None else None
+
+
+def merge_and_save(entries: Iterable[dict], path: Optional[os.PathLike] = None) -> Path:
+    """Merge entries (from :func:`make_entry`) into the store; a new entry replaces one with its key."""
+    path = Path(path) if path is not None else default_path()
+    new = {}
+    for entry in entries:
+        try:
+            new[str(TunedKey(**entry["key"]))] = entry
+        except (KeyError, TypeError) as exc:
+            raise MegaMoEError(f"not a tuned-config entry (build it with make_entry): {exc}") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        merged = {**load(path), **new}
+        _atomic_write(path, {"version": FORMAT_VERSION, "entries": dict(sorted(merged.items()))})
+    return path
+
+
+def _atomic_write(path: Path, data: dict) -> None:
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
+            json.dump(data, tmp, indent=2)
+            tmp.write("\n")
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
