@@ -1,0 +1,16 @@
+"""Test tiers: CPU tests run everywhere; tests marked ``gpu`` are skipped where CUDA is unavailable."""
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
