@@ -1,0 +1,42 @@
+// Combine: FP32 sum of the valid top-k slots, in slot order, into BF16 y.
+#pragma once
+#include "common.cuh"
+
+namespace megamoe {
+
+// Warp per token; each lane owns 8 consecutive channels per step.
+__device__ __forceinline__ void combine_reduce(const Params& p, uint32_t global_warp, uint32_t num_warps, uint32_t lane) {
+    const int64_t* topk_idx = at<int64_t>(p, p.off_topk_idx);
+    const __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
+    __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(p.y);
+    constexpr uint32_t kChunks = kHidden / 8;
+    for (uint32_t t = global_warp; t < p.num_tokens; t += num_warps) {
+        const bool valid = lane < kNumTopk && topk_idx[static_cast<uint64_t>(t) * kNumTopk + lane] >= 0;
+        const uint32_t mask = __ballot_sync(0xffffffffu, valid);
+        for (uint32_t c = lane; c < kChunks; c += 32) {
+            float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            #pragma unroll
+            for (uint32_t k = 0; k < kNumTopk; ++k) {
+                if (!((mask >> k) & 1))
+                    continue;
+                const int4 raw = __ldcg(reinterpret_cast<const int4*>(
+                    combine + (static_cast<uint64_t>(k) * kNumMaxTokens + t) * kHidden + c * 8));
+                const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+                #pragma unroll
+                for (uint32_t i = 0; i < 4; ++i) {
+                    const float2 f = __bfloat1622float2(v[i]);
+                    sum[2 * i] += f.x;
+                    sum[2 * i + 1] += f.y;
+                }
+            }
+            int4 out;
+            __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+            #pragma unroll
+            for (uint32_t i = 0; i < 4; ++i)
+                o[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
+            reinterpret_cast<int4*>(y + static_cast<uint64_t>(t) * kHidden)[c] = out;
+        }
+    }
+}
+
+}  // namespace megamoe

@@ -1,0 +1,144 @@
+// Compile-time shape/config constants and small helpers shared by every role.
+// The generated translation unit defines the MEGAMOE_* macros and `struct Params`
+// (field list owned by megamoe_cli/fused.py) before including kernel.cuh.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "ptx.cuh"
+
+namespace megamoe {
+
+constexpr uint32_t kHidden = MEGAMOE_HIDDEN;
+constexpr uint32_t kIntermediate = MEGAMOE_INTERMEDIATE;
+constexpr uint32_t kNumExperts = MEGAMOE_NUM_EXPERTS;
+constexpr uint32_t kNumTopk = MEGAMOE_NUM_TOPK;
+constexpr uint32_t kNumRanks = MEGAMOE_NUM_RANKS;
+constexpr uint32_t kNumMaxTokens = MEGAMOE_NUM_MAX_TOKENS;
+constexpr uint32_t kNumStages = MEGAMOE_NUM_STAGES;
+constexpr uint32_t kNumExpertsPerRank = kNumExperts / kNumRanks;
+
+// Tile shape: BLOCK_M pool rows x BLOCK_N output columns, K step 128 (one scale block).
+// Each of the two consumer warpgroups owns one 128-column half of the tile.
+constexpr uint32_t kBlockM = MEGAMOE_BLOCK_M;
+constexpr uint32_t kBlockN = 256;
+constexpr uint32_t kBlockK = 128;
+constexpr uint32_t kWgmmaK = 32;
+
+// Roles: warpgroup 0 = TMA producer warp + dispatch warps; warpgroups 1, 2 = MMA consumers.
+constexpr uint32_t kNumThreads = 384;
+constexpr uint32_t kNumConsumerThreads = 256;
+constexpr uint32_t kNumDispatchWarps = 3;
+constexpr uint32_t kNumDispatchThreads = kNumDispatchWarps * 32;
+
+// L1 produces 2*I columns (gate/up interleaved by 8), L2 produces H columns.
+constexpr uint32_t kNumL1NTiles = 2 * kIntermediate / kBlockN;
+constexpr uint32_t kNumL2NTiles = kHidden / kBlockN;
+constexpr uint32_t kNumL1KBlocks = kHidden / kBlockK;
+constexpr uint32_t kNumL2KBlocks = kIntermediate / kBlockK;
+
+static_assert(kBlockM == 64, "the consumer layout assumes one m64 WGMMA row block");
+static_assert(kHidden % kBlockN == 0, "hidden must be a multiple of 256");
+static_assert((2 * kIntermediate) % kBlockN == 0, "intermediate must be a multiple of 128");
+static_assert(kNumExperts % kNumRanks == 0, "experts must divide evenly over ranks");
+static_assert(kNumRanks <= 8, "at most 8 ranks");
+static_assert(kNumTopk <= 32, "at most 32 top-k slots");
+
+// Shared-memory stage: A tile (BLOCK_M x 128 fp8), B tile (256 x 128 fp8), A scales.
+constexpr uint32_t kSmemABytes = kBlockM * kBlockK;
+constexpr uint32_t kSmemBBytes = kBlockN * kBlockK;
+constexpr uint32_t kSmemSfaBytes = kBlockM * sizeof(float);
+constexpr uint32_t kStageTxBytes = kSmemABytes + kSmemBBytes + kSmemSfaBytes;
+
+// Barrier ids (0 is __syncthreads)
+constexpr uint32_t kBarSchedule = 1;   // all threads: schedule in shared memory is ready
+constexpr uint32_t kBarDispatch = 2;   // dispatch warps
+constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
+
+// Phases named in timeout diagnostics
+enum Phase : uint32_t {
+    kPhaseCountBarrier = 1,
+    kPhaseCountRankBarrier = 2,
+    kPhaseL1Arrival = 3,
+    kPhaseL2Arrival = 4,
+    kPhaseCombineBarrier = 5,
+    kPhaseCombineRankBarrier = 6,
+    kPhasePipeline = 7,
+    kPhaseBadTopkIdx = 8,
+    kPhaseTooManyPairs = 9,
+};
+
+__device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+template <typename T>
+__device__ __forceinline__ T* at(const Params& p, uint64_t offset) {
+    return reinterpret_cast<T*>(p.buffer + offset);
+}
+
+// Map an address inside the local symmetric buffer to the same address in rank `r`'s buffer.
+template <typename T>
+__device__ __forceinline__ T* map_to_rank(const Params& p, T* ptr, uint32_t r) {
+    return reinterpret_cast<T*>(reinterpret_cast<int64_t>(ptr) + p.peer_delta[r]);
+}
+
+// Failure record in host-pinned memory (p.diag): the first failing thread fills it and
+// traps; the host reads it after the launch fails.  No printf: a call anywhere in the
+// kernel would make ptxas serialize the WGMMA pipeline.
+struct Diagnostic {
+    uint32_t magic;  // kDiagMagic once filled
+    uint32_t rank;
+    uint32_t phase;
+    uint32_t cta;
+    uint32_t thread;
+    uint32_t index;
+    uint64_t expected;
+    uint64_t observed;
+};
+constexpr uint32_t kDiagMagic = 0x4d4f4521u;
+
+__device__ __noinline__ void fail(const Params& p, uint32_t phase, uint64_t expected, uint64_t observed,
+                                  uint32_t index) {
+    Diagnostic* diag = reinterpret_cast<Diagnostic*>(p.diag);
+    if (diag != nullptr && atomicCAS(&diag->magic, 0u, 1u) == 0u) {
+        diag->rank = static_cast<uint32_t>(p.rank);
+        diag->phase = phase;
+        diag->cta = blockIdx.x;
+        diag->thread = threadIdx.x;
+        diag->index = index;
+        diag->expected = expected;
+        diag->observed = observed;
+        __threadfence_system();
+        atomicExch(&diag->magic, kDiagMagic);
+        __threadfence_system();
+    }
+    __trap();
+}
+
+// A spin-wait that gives up after p.timeout_ns of real time.
+struct Deadline {
+    uint64_t start;
+    uint64_t limit;
+    uint32_t iter;
+    __device__ __forceinline__ explicit Deadline(uint64_t timeout_ns)
+        : start(ptx::globaltimer_ns()), limit(timeout_ns), iter(0) {}
+    __device__ __forceinline__ void check(const Params& p, uint32_t phase, uint64_t expected, uint64_t observed,
+                                          uint32_t index) {
+        if ((++iter & 255u) != 0)
+            return;
+        if (ptx::globaltimer_ns() - start > limit)
+            fail(p, phase, expected, observed, index);
+    }
+};
+
+__device__ __forceinline__ void mbar_wait(const Params& p, uint64_t* bar, uint32_t parity) {
+    if (ptx::mbar_try_wait(bar, parity))
+        return;
+    Deadline d(p.timeout_ns);
+    while (!ptx::mbar_try_wait(bar, parity))
+        d.check(p, kPhasePipeline, parity, parity ^ 1, 0);
+}
+
+}  // namespace megamoe

@@ -1,0 +1,197 @@
+// Dispatch: count (token, k) pairs per expert, publish counts to the owning ranks,
+// build the pool schedule, and pull token rows from the peers into the expert-major pool.
+#pragma once
+#include "barrier.cuh"
+
+namespace megamoe {
+
+// Pool schedule, identical in every CTA of a rank (each CTA computes it from the
+// published counts).  Expert `e` owns pool blocks [block_start[e], block_start[e+1]).
+struct Schedule {
+    uint32_t expert_count[kNumExpertsPerRank];
+    uint32_t block_start[kNumExpertsPerRank + 1];
+    uint32_t row_start[kNumExpertsPerRank + 1];
+    uint32_t src_start[kNumExpertsPerRank][kNumRanks + 1];
+    uint64_t epoch;
+
+    __device__ __forceinline__ uint32_t num_blocks() const { return block_start[kNumExpertsPerRank]; }
+    __device__ __forceinline__ uint32_t num_rows() const { return row_start[kNumExpertsPerRank]; }
+
+    // Largest expert whose start (in `starts`) is <= value.
+    __device__ __forceinline__ static uint32_t upper_expert(const uint32_t* starts, uint32_t value) {
+        uint32_t lo = 0, hi = kNumExpertsPerRank;  // invariant: starts[lo] <= value < starts[hi]
+        while (hi - lo > 1) {
+            const uint32_t mid = (lo + hi) / 2;
+            if (starts[mid] <= value)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        return lo;
+    }
+    __device__ __forceinline__ uint32_t expert_of_block(uint32_t block) const { return upper_expert(block_start, block); }
+    __device__ __forceinline__ uint32_t valid_rows(uint32_t expert, uint32_t block) const {
+        const uint32_t first = (block - block_start[expert]) * kBlockM;
+        return min(kBlockM, expert_count[expert] - first);
+    }
+};
+
+// Phase 1: count local pairs per global expert, reserve a slot per pair with one atomic,
+// and store the pair's source index into the owning rank's table.
+__device__ __forceinline__ void dispatch_count(const Params& p, uint32_t dispatch_thread) {
+    const int64_t* topk_idx = at<int64_t>(p, p.off_topk_idx);
+    uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count);
+    int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
+    const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;
+    const uint32_t stride = gridDim.x * kNumDispatchThreads;
+    for (uint32_t i = blockIdx.x * kNumDispatchThreads + dispatch_thread; i < num_pairs; i += stride) {
+        const int64_t expert = topk_idx[i];
+        if (expert < 0)
+            continue;
+        if (expert >= kNumExperts)
+            fail(p, kPhaseBadTopkIdx, kNumExperts, static_cast<uint64_t>(expert), i);
+        const uint32_t slot = atomicAdd(send_count + expert, 1u);
+        if (slot >= kNumMaxTokens)
+            fail(p, kPhaseTooManyPairs, kNumMaxTokens, slot, static_cast<uint32_t>(expert));
+        const uint32_t dst_rank = static_cast<uint32_t>(expert) / kNumExpertsPerRank;
+        const uint32_t local_expert = static_cast<uint32_t>(expert) % kNumExpertsPerRank;
+        int32_t* dst = src_table + (static_cast<uint64_t>(local_expert) * kNumRanks + p.rank) * kNumMaxTokens + slot;
+        *map_to_rank(p, dst, dst_rank) = static_cast<int32_t>(i);
+    }
+}
+
+// Phase 2 (CTA 0): publish this rank's per-expert counts into each owner's recv table.
+__device__ __forceinline__ void dispatch_publish(const Params& p, uint32_t dispatch_thread) {
+    const uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count);
+    uint32_t* recv_count = at<uint32_t>(p, p.off_expert_recv_count);
+    for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads) {
+        const uint32_t count = __ldcg(send_count + e);
+        const uint32_t dst_rank = e / kNumExpertsPerRank;
+        const uint32_t local_expert = e % kNumExpertsPerRank;
+        *map_to_rank(p, recv_count + p.rank * kNumExpertsPerRank + local_expert, dst_rank) = count;
+    }
+}
+
+// Phase 3: every CTA derives the pool schedule from the received counts.
+__device__ __forceinline__ void build_schedule(const Params& p, Schedule& s, uint32_t dispatch_thread) {
+    const uint32_t* recv_count = at<uint32_t>(p, p.off_expert_recv_count);
+    for (uint32_t e = dispatch_thread; e < kNumExpertsPerRank; e += kNumDispatchThreads) {
+        uint32_t total = 0;
+        #pragma unroll
+        for (uint32_t r = 0; r < kNumRanks; ++r) {
+            s.src_start[e][r] = total;
+            total += __ldcg(recv_count + r * kNumExpertsPerRank + e);
+        }
+        s.src_start[e][kNumRanks] = total;
+        s.expert_count[e] = total;
+    }
+    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+
+    // Exclusive scans over experts by the first dispatch warp: each lane owns a chunk.
+    if (dispatch_thread < 32) {
+        const uint32_t lane = dispatch_thread;
+        constexpr uint32_t kChunk = (kNumExpertsPerRank + 31) / 32;
+        const uint32_t begin = min(lane * kChunk, kNumExpertsPerRank);
+        const uint32_t end = min(begin + kChunk, kNumExpertsPerRank);
+        uint32_t rows = 0, blocks = 0;
+        for (uint32_t e = begin; e < end; ++e) {
+            rows += s.expert_count[e];
+            blocks += ceil_div(s.expert_count[e], kBlockM);
+        }
+        uint32_t rows_incl = rows, blocks_incl = blocks;
+        #pragma unroll
+        for (uint32_t d = 1; d < 32; d <<= 1) {
+            const uint32_t r = __shfl_up_sync(0xffffffffu, rows_incl, d);
+            const uint32_t b = __shfl_up_sync(0xffffffffu, blocks_incl, d);
+            if (lane >= d) {
+                rows_incl += r;
+                blocks_incl += b;
+            }
+        }
+        uint32_t row_acc = rows_incl - rows, block_acc = blocks_incl - blocks;
+        for (uint32_t e = begin; e < end; ++e) {
+            s.row_start[e] = row_acc;
+            s.block_start[e] = block_acc;
+            row_acc += s.expert_count[e];
+            block_acc += ceil_div(s.expert_count[e], kBlockM);
+        }
+        if (lane == 31) {
+            s.row_start[kNumExpertsPerRank] = rows_incl;
+            s.block_start[kNumExpertsPerRank] = blocks_incl;
+        }
+    }
+}
+
+// Phase 4: pull rows.  Global dispatch warp `w` handles received rows w, w + W, ... in
+// expert-major order, so pool blocks fill roughly in the order the GEMM consumes them.
+// NOTES: each landed row is published with a release add on its block's arrival
+// counter after a generic->async proxy fence, because the GEMM reads the pool via TMA.
+__device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s, uint32_t dispatch_warp,
+                                              uint32_t lane) {
+    const int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
+    const uint8_t* x = at<uint8_t>(p, p.off_x);
+    const float* x_sf = at<float>(p, p.off_x_sf);
+    const float* topk_weights = at<float>(p, p.off_topk_weights);
+    uint8_t* pool = at<uint8_t>(p, p.off_l1_pool);
+    float* pool_sf = at<float>(p, p.off_l1_pool_sf);
+    float* pool_weights = at<float>(p, p.off_l1_pool_weights);
+    int4* pool_meta = at<int4>(p, p.off_pool_src_meta);
+    uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
+
+    constexpr uint32_t kVecs = kHidden / 16;
+    constexpr uint32_t kVecsPerLane = (kVecs + 31) / 32;
+    constexpr uint32_t kBatch = 4;
+    constexpr uint32_t kSfPerRow = kHidden / 128;
+
+    const uint32_t num_rows = s.num_rows();
+    const uint32_t num_warps = gridDim.x * kNumDispatchWarps;
+    for (uint32_t j = blockIdx.x * kNumDispatchWarps + dispatch_warp; j < num_rows; j += num_warps) {
+        const uint32_t e = Schedule::upper_expert(s.row_start, j);
+        const uint32_t row_in_expert = j - s.row_start[e];
+        uint32_t src = 0;
+        #pragma unroll
+        for (uint32_t r = 1; r < kNumRanks; ++r)
+            if (s.src_start[e][r] <= row_in_expert)
+                src = r;
+        const uint32_t slot = row_in_expert - s.src_start[e][src];
+        const uint32_t pool_row = s.block_start[e] * kBlockM + row_in_expert;
+        const int32_t pair = __ldcg(src_table + (static_cast<uint64_t>(e) * kNumRanks + src) * kNumMaxTokens + slot);
+        const uint32_t token = static_cast<uint32_t>(pair) / kNumTopk;
+        const uint32_t k = static_cast<uint32_t>(pair) % kNumTopk;
+
+        const int4* src_row = reinterpret_cast<const int4*>(map_to_rank(p, x + static_cast<uint64_t>(token) * kHidden, src));
+        int4* dst_row = reinterpret_cast<int4*>(pool + static_cast<uint64_t>(pool_row) * kHidden);
+        #pragma unroll
+        for (uint32_t b = 0; b < kVecsPerLane; b += kBatch) {
+            int4 v[kBatch];
+            #pragma unroll
+            for (uint32_t u = 0; u < kBatch; ++u) {
+                const uint32_t idx = (b + u) * 32 + lane;
+                if (b + u < kVecsPerLane && idx < kVecs)
+                    v[u] = __ldcg(src_row + idx);
+            }
+            #pragma unroll
+            for (uint32_t u = 0; u < kBatch; ++u) {
+                const uint32_t idx = (b + u) * 32 + lane;
+                if (b + u < kVecsPerLane && idx < kVecs)
+                    dst_row[idx] = v[u];
+            }
+        }
+        const float* src_sf = map_to_rank(p, x_sf + static_cast<uint64_t>(token) * kSfPerRow, src);
+        #pragma unroll
+        for (uint32_t kb = lane; kb < kSfPerRow; kb += 32)
+            pool_sf[static_cast<uint64_t>(kb) * p.num_max_pool_tokens + pool_row] = __ldcg(src_sf + kb);
+        if (lane == 0) {
+            pool_weights[pool_row] = __ldcg(map_to_rank(p, topk_weights + pair, src));
+            pool_meta[pool_row] = make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(k), 0);
+        }
+        ptx::fence_proxy_async_global();
+        __syncwarp();
+        if (lane == 0) {
+            __threadfence();
+            ptx::red_release_gpu_add_u32(l1_arrival + pool_row / kBlockM, 1);
+        }
+    }
+}
+
+}  // namespace megamoe

@@ -1,0 +1,277 @@
+// Expert GEMMs: tile scheduler, TMA producer, FP8 WGMMA consumers with per-128-K
+// promotion, the L1 SwiGLU/requant epilogue and the L2 combine-push epilogue.
+// Knows nothing about ranks except where the L2 epilogue pushes a finished row.
+#pragma once
+#include "dispatch.cuh"
+
+namespace megamoe {
+
+struct SharedStorage {
+    // Stage buffers (each A/B tile 1024-byte aligned for the 128B swizzle)
+    uint8_t a[kNumStages][kSmemABytes];
+    uint8_t b[kNumStages][kSmemBBytes];
+    float sfa[kNumStages][kBlockM];
+    // Epilogue staging: L1 writes BLOCK_M x 128 fp8, L2 writes BLOCK_M x 256 bf16
+    alignas(128) uint8_t staging[kBlockM * kBlockN * sizeof(__nv_bfloat16)];
+    float row_amax[2][kBlockM];
+    uint64_t full[kNumStages];
+    uint64_t empty[kNumStages];
+    Schedule schedule;
+};
+
+struct Tile {
+    bool is_l2;
+    uint32_t expert;
+    uint32_t block;
+    uint32_t n;
+};
+
+__device__ __forceinline__ uint32_t num_tiles(const Schedule& s) {
+    return s.num_blocks() * (kNumL1NTiles + kNumL2NTiles);
+}
+
+// Tiles: all L1 tiles, then all L2 tiles; inside a layer, expert-major, then N tile,
+// then M block, so CTAs working at the same time share the expert's B tile in L2.
+// NOTES: CTA c runs tiles c, c + G, ... in order and every L2 tile only waits for L1
+// tiles, which precede all L2 tiles, so the waits cannot form a cycle.
+__device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t) {
+    Tile tile;
+    const uint32_t num_l1 = s.num_blocks() * kNumL1NTiles;
+    tile.is_l2 = t >= num_l1;
+    const uint32_t num_n = tile.is_l2 ? kNumL2NTiles : kNumL1NTiles;
+    if (tile.is_l2)
+        t -= num_l1;
+    tile.expert = Schedule::upper_expert(s.block_start, t / num_n);
+    const uint32_t first = s.block_start[tile.expert];
+    const uint32_t num_blocks = s.block_start[tile.expert + 1] - first;
+    const uint32_t local = t - first * num_n;
+    tile.n = local / num_blocks;
+    tile.block = first + local % num_blocks;
+    return tile;
+}
+
+// TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams
+// A, A scales and B through the stage ring.
+__device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss) {
+    const Schedule& s = ss.schedule;
+    const uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
+    const uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
+    uint32_t it = 0;
+    const uint32_t total = num_tiles(s);
+    for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+        const Tile tile = decode_tile(s, t);
+        // Wait until the tile's A rows landed
+        const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
+        const uint32_t target = tile.is_l2 ? kNumL1NTiles : s.valid_rows(tile.expert, tile.block);
+        uint32_t now = ptx::ld_acquire_gpu_u32(counter);
+        if (now < target) {
+            Deadline d(p.timeout_ns);
+            while ((now = ptx::ld_acquire_gpu_u32(counter)) < target)
+                d.check(p, tile.is_l2 ? kPhaseL2Arrival : kPhaseL1Arrival, target, now, tile.block);
+        }
+        ptx::fence_proxy_async_global();
+
+        const CUtensorMap* tmap_a = tile.is_l2 ? &p.tmap_l2_a : &p.tmap_l1_a;
+        const CUtensorMap* tmap_sfa = tile.is_l2 ? &p.tmap_l2_sfa : &p.tmap_l1_sfa;
+        const CUtensorMap* tmap_b = tile.is_l2 ? &p.tmap_l2_b : &p.tmap_l1_b;
+        const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+        const uint32_t b_row = tile.expert * (tile.is_l2 ? kHidden : 2 * kIntermediate) + tile.n * kBlockN;
+        const uint32_t a_row = tile.block * kBlockM;
+        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+            const uint32_t stage = it % kNumStages;
+            const uint32_t phase = (it / kNumStages) & 1;
+            mbar_wait(p, &ss.empty[stage], phase ^ 1);
+            ptx::mbar_arrive_expect_tx(&ss.full[stage], kStageTxBytes);
+            ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
+            ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
+            ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], kb * kBlockK, b_row);
+        }
+    }
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
+// per row per 128 channels.  Warpgroup `wg` holds channels [64 wg, 64 wg + 64) of the
+// tile's 128; accumulator column 16c + i is gate channel 8c + i, 16c + 8 + i is up.
+__device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile, const float (&acc)[64],
+                                            uint32_t wg, uint32_t tid) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+    const uint32_t r0 = warp * 16 + lane / 4;
+    const uint32_t m0 = tile.block * kBlockM;
+    const float* pool_weights = at<float>(p, p.off_l1_pool_weights);
+    const float weight[2] = {__ldcg(pool_weights + m0 + r0), __ldcg(pool_weights + m0 + r0 + 8)};
+
+    float act[32];
+    float amax[2] = {0.0f, 0.0f};
+    #pragma unroll
+    for (uint32_t c = 0; c < 8; ++c) {
+        #pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            #pragma unroll
+            for (uint32_t e = 0; e < 2; ++e) {
+                const float gate = acc[8 * c + 2 * h + e];
+                const float up = acc[8 * c + 4 + 2 * h + e];
+                const float v = silu(gate) * up * weight[h];
+                act[4 * c + 2 * h + e] = v;
+                amax[h] = fmaxf(amax[h], fabsf(v));
+            }
+        }
+    }
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+    }
+    if (q == 0) {
+        ss.row_amax[wg][r0] = amax[0];
+        ss.row_amax[wg][r0 + 8] = amax[1];
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+
+    float sf[2], inv[2];
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+        const uint32_t row = r0 + 8 * h;
+        sf[h] = fmaxf(fmaxf(ss.row_amax[0][row], ss.row_amax[1][row]), 1e-4f) / 448.0f;
+        inv[h] = 1.0f / sf[h];
+    }
+    uint8_t* staging = ss.staging;  // [BLOCK_M][128] fp8
+    #pragma unroll
+    for (uint32_t c = 0; c < 8; ++c) {
+        #pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            const float2 v = make_float2(act[4 * c + 2 * h] * inv[h], act[4 * c + 2 * h + 1] * inv[h]);
+            const __nv_fp8x2_storage_t packed = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+            *reinterpret_cast<__nv_fp8x2_storage_t*>(staging + (r0 + 8 * h) * 128 + wg * 64 + 8 * c + 2 * q) = packed;
+        }
+    }
+    if (wg == 0 && q == 0) {
+        float* pool_sf = at<float>(p, p.off_l2_pool_sf) + static_cast<uint64_t>(tile.n) * p.num_max_pool_tokens + m0;
+        pool_sf[r0] = sf[0];
+        pool_sf[r0 + 8] = sf[1];
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+
+    uint8_t* pool = at<uint8_t>(p, p.off_l2_pool);
+    const uint32_t ct = wg * 128 + tid % 128;
+    #pragma unroll
+    for (uint32_t idx = ct; idx < kBlockM * 8; idx += kNumConsumerThreads) {
+        const uint32_t row = idx / 8, chunk = idx % 8;
+        *reinterpret_cast<int4*>(pool + static_cast<uint64_t>(m0 + row) * kIntermediate + tile.n * 128 + chunk * 16) =
+            *reinterpret_cast<const int4*>(staging + row * 128 + chunk * 16);
+    }
+    // NOTES: the L2 producer reads these rows with TMA (async proxy) after acquiring
+    // the block's counter, so every writer fences the proxies before the release.
+    ptx::fence_proxy_async_global();
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+    if (ct == 0) {
+        __threadfence();
+        ptx::red_release_gpu_add_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block, 1);
+    }
+}
+
+// L2 epilogue: BF16 rows pushed straight into the source rank's combine slot [k][token].
+__device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile, const float (&acc)[64],
+                                            uint32_t wg, uint32_t tid) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+    const uint32_t r0 = warp * 16 + lane / 4;
+    const uint32_t m0 = tile.block * kBlockM;
+    __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(ss.staging);  // [BLOCK_M][256]
+    #pragma unroll
+    for (uint32_t j = 0; j < 16; ++j) {
+        #pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(staging + (r0 + 8 * h) * kBlockN + wg * 128 + 8 * j + 2 * q) = v;
+        }
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+
+    const uint32_t valid = ss.schedule.valid_rows(tile.expert, tile.block);
+    const int4* meta = at<int4>(p, p.off_pool_src_meta);
+    __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
+    const uint32_t consumer_warp = wg * 4 + warp;
+    for (uint32_t row = consumer_warp; row < valid; row += 8) {
+        const int4 src = __ldcg(meta + m0 + row);
+        __nv_bfloat16* dst = combine +
+                             (static_cast<uint64_t>(src.z) * kNumMaxTokens + static_cast<uint32_t>(src.y)) * kHidden +
+                             tile.n * kBlockN;
+        dst = map_to_rank(p, dst, static_cast<uint32_t>(src.x));
+        reinterpret_cast<int4*>(dst)[lane] = reinterpret_cast<const int4*>(staging + row * kBlockN)[lane];
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+}
+
+// MMA consumer warpgroup `wg` (0 or 1): columns [128 wg, 128 wg + 128) of every tile.
+__device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
+    const Schedule& s = ss.schedule;
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
+    const uint32_t r0 = warp * 16 + lane / 4;
+    const float* w1_sf = reinterpret_cast<const float*>(p.w1_sf);
+    const float* w2_sf = reinterpret_cast<const float*>(p.w2_sf);
+    float acc[64], part[64];
+    uint32_t it = 0;
+    const uint32_t total = num_tiles(s);
+    for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+        const Tile tile = decode_tile(s, t);
+        const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+        const uint32_t nb = tile.n * 2 + wg;  // this warpgroup's 128-row block of B
+        // L1 scales: [E_local, 2I/128, H/128, {gate, up}]; L2 scales: [E_local, H/128, I/128]
+        const float* sfb = tile.is_l2
+                               ? w2_sf + (static_cast<uint64_t>(tile.expert) * (kHidden / 128) + nb) * kNumL2KBlocks
+                               : w1_sf + (static_cast<uint64_t>(tile.expert) * (2 * kIntermediate / 128) + nb) *
+                                             kNumL1KBlocks * 2;
+        #pragma unroll
+        for (uint32_t i = 0; i < 64; ++i)
+            acc[i] = 0.0f;
+        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+            const uint32_t stage = it % kNumStages;
+            const uint32_t phase = (it / kNumStages) & 1;
+            float sfb_even, sfb_odd;
+            if (tile.is_l2) {
+                sfb_even = sfb_odd = __ldg(sfb + kb);
+            } else {
+                sfb_even = __ldg(sfb + 2 * kb);
+                sfb_odd = __ldg(sfb + 2 * kb + 1);
+            }
+            mbar_wait(p, &ss.full[stage], phase);
+            const float sfa0 = ss.sfa[stage][r0];
+            const float sfa1 = ss.sfa[stage][r0 + 8];
+
+            const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage]);
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + wg * 128 * kBlockK);
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                ptx::warpgroup_fence_operand(part[i]);
+            ptx::wgmma_fence();
+            #pragma unroll
+            for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                ptx::warpgroup_fence_operand(part[i]);
+            if (lane == 0)
+                ptx::mbar_arrive(&ss.empty[stage]);
+
+            // Promote: acc += part * sfa(row) * sfb(column group)
+            const float s00 = sfa0 * sfb_even, s01 = sfa0 * sfb_odd;
+            const float s10 = sfa1 * sfb_even, s11 = sfa1 * sfb_odd;
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i) {
+                const bool odd_group = ((i / 4) % 2) == 1;
+                const bool second_row = ((i / 2) % 2) == 1;
+                const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
+                acc[i] = fmaf(part[i], scale, acc[i]);
+            }
+        }
+        if (tile.is_l2)
+            epilogue_l2(p, ss, tile, acc, wg, tid);
+        else
+            epilogue_l1(p, ss, tile, acc, wg, tid);
+    }
+}
+
+}  // namespace megamoe

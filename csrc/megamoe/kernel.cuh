@@ -1,0 +1,125 @@
+// The persistent Mega MoE kernel: role split and phase order.
+//   warp 0        TMA producer for both GEMMs
+//   warps 1-3     dispatch: count -> publish -> schedule -> pull
+//   warpgroups 1-2  WGMMA consumers: L1 + SwiGLU, L2 + combine push; then barrier,
+//                 cleanup and the top-k reduce into y
+// One CTA per SM, all co-resident (the grid barriers need it).
+#pragma once
+#include "combine.cuh"
+#include "gemm.cuh"
+
+namespace megamoe {
+
+static_assert(sizeof(SharedStorage) + 1024 <= MEGAMOE_SMEM_BYTES, "launcher's shared-memory size is too small");
+
+constexpr uint32_t kProducerRegisters = 56;
+constexpr uint32_t kConsumerRegisters = 224;
+
+__device__ __forceinline__ SharedStorage& shared_storage() {
+    extern __shared__ uint8_t smem_raw[];
+    const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+    return *reinterpret_cast<SharedStorage*>(base);
+}
+
+__device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss, uint32_t dispatch_thread) {
+    uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
+    Schedule& s = ss.schedule;
+
+    dispatch_count(p, dispatch_thread);
+    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+    if (dispatch_thread == 0) {
+        __threadfence_system();
+        grid_barrier(p, grid_sync + 0, kPhaseCountBarrier);
+    }
+    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+    if (blockIdx.x == 0) {
+        dispatch_publish(p, dispatch_thread);
+        ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+        if (dispatch_thread == 0)
+            rank_barrier(p, s.epoch * 4 + 1, kPhaseCountRankBarrier);
+    }
+    if (dispatch_thread == 0)
+        grid_barrier(p, grid_sync + 0, kPhaseCountBarrier);
+    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+
+    build_schedule(p, s, dispatch_thread);
+    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+    ptx::named_bar_arrive(kBarSchedule, kNumThreads);
+
+    dispatch_pull(p, s, dispatch_thread / 32, dispatch_thread % 32);
+}
+
+__device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
+    uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
+    const uint32_t ct = wg * 128 + tid % 128;
+    consumer_loop(p, ss, wg, tid);
+
+    // Every local L2 push is done; wait for every rank's pushes into our combine buffer.
+    __threadfence_system();
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+    if (ct == 0) {
+        grid_barrier(p, grid_sync + 2, kPhaseCombineBarrier);
+        if (blockIdx.x == 0)
+            rank_barrier(p, ss.schedule.epoch * 4 + 2, kPhaseCombineRankBarrier);
+        grid_barrier(p, grid_sync + 2, kPhaseCombineBarrier);
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+
+    // Cleanup: every counter this call used returns to zero for the next call.
+    const uint32_t gt = blockIdx.x * kNumConsumerThreads + ct;
+    const uint32_t stride = gridDim.x * kNumConsumerThreads;
+    uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
+    uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
+    uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count);
+    for (uint32_t i = gt; i < ss.schedule.num_blocks(); i += stride) {
+        l1_arrival[i] = 0;
+        l2_arrival[i] = 0;
+    }
+    for (uint32_t i = gt; i < kNumExperts; i += stride)
+        send_count[i] = 0;
+
+    combine_reduce(p, blockIdx.x * 8 + ct / 32, gridDim.x * 8, ct % 32);
+
+    if (blockIdx.x == 0 && ct == 0)
+        grid_sync[4] = ss.schedule.epoch + 1;
+}
+
+}  // namespace megamoe
+
+extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_kernel(const __grid_constant__ Params p) {
+    using namespace megamoe;
+    SharedStorage& ss = shared_storage();
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    if (threadIdx.x == 0) {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumStages; ++i) {
+            ptx::mbar_init(&ss.full[i], 1);
+            ptx::mbar_init(&ss.empty[i], kNumConsumerThreads / 32);
+        }
+        ptx::fence_mbarrier_init();
+        ptx::fence_proxy_async_shared();
+        if (blockIdx.x == 0)
+            ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[4];
+        ptx::tma_prefetch_desc(&p.tmap_l1_a);
+        ptx::tma_prefetch_desc(&p.tmap_l1_b);
+        ptx::tma_prefetch_desc(&p.tmap_l2_a);
+        ptx::tma_prefetch_desc(&p.tmap_l2_b);
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+        ptx::setmaxnreg_dec<kProducerRegisters>();
+        if (warp == 0) {
+            ptx::named_bar_sync(kBarSchedule, kNumThreads);
+            if (lane == 0)
+                producer_loop(p, ss);
+        } else {
+            dispatch_role(p, ss, threadIdx.x - 32);
+        }
+    } else {
+        ptx::setmaxnreg_inc<kConsumerRegisters>();
+        ptx::named_bar_sync(kBarSchedule, kNumThreads);
+        consumer_role(p, ss, warp / 4 - 1, threadIdx.x - 128);
+    }
+}

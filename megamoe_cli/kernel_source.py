@@ -1,0 +1,226 @@
+"""Kernel variants: the compile-time constants of one fused-kernel build, the launch
+parameter struct (its field list lives here and nowhere else) and the generated
+translation unit that instantiates ``csrc/megamoe/kernel.cuh``.
+
+Pure Python, no torch: used by the JIT, by ``megamoe tune`` and by the CPU tests that
+compile every variant for sm_90a.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+from .errors import MegaMoEError
+from .layout import BufferConfig, BufferLayout, MoEShape
+
+MAX_RANKS = 8
+BLOCK_N = 256
+SUPPORTED_BLOCK_M = (64,)
+SUPPORTED_STAGES = (2, 3, 4)
+KERNEL_NAME = "megamoe_kernel"
+NUM_THREADS = 384
+
+TMAP_FIELDS: Tuple[str, ...] = (
+    "tmap_l1_a",
+    "tmap_l1_sfa",
+    "tmap_l1_b",
+    "tmap_l2_a",
+    "tmap_l2_sfa",
+    "tmap_l2_b",
+)
+TMAP_BYTES = 128
+
+# Segment offsets the kernel reads (names match layout segments, prefixed "off_").
+OFFSET_SEGMENTS: Tuple[str, ...] = (
+    "grid_sync",
+    "rank_flags",
+    "expert_send_count",
+    "expert_recv_count",
+    "l1_arrival",
+    "l2_arrival",
+    "src_token_topk_idx",
+    "pool_src_meta",
+    "x",
+    "x_sf",
+    "topk_idx",
+    "topk_weights",
+    "l1_pool",
+    "l1_pool_sf",
+    "l1_pool_weights",
+    "l2_pool",
+    "l2_pool_sf",
+    "combine",
+)
+TAIL_FIELDS: Tuple[str, ...] = (
+    "w1_sf",
+    "w2_sf",
+    "y",
+    "num_tokens",
+    "rank",
+    "num_max_pool_tokens",
+    "timeout_ns",
+    "diag",
+)
+
+
+def csrc_dir() -> Path:
+    """Directory holding ``megamoe/*.cuh`` (source tree or installed package data)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "csrc", here / "csrc"):
+        if (candidate / "megamoe" / "kernel.cuh").is_file():
+            return candidate
+    raise MegaMoEError(f"kernel sources not found next to {here} (expected csrc/megamoe/kernel.cuh)")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tunable launch/compile choices of the fused kernel."""
+
+    block_m: int = 64
+    num_stages: int = 4
+    num_sms: int = 0  # 0 = every SM of the device
+
+    def validate(self) -> None:
+        if self.block_m not in SUPPORTED_BLOCK_M:
+            raise MegaMoEError(
+                f"block_m={self.block_m} is not supported by the fused kernel; expected one of {SUPPORTED_BLOCK_M}"
+            )
+        if self.num_stages not in SUPPORTED_STAGES:
+            raise MegaMoEError(f"num_stages={self.num_stages}; expected one of {SUPPORTED_STAGES}")
+        if self.num_sms < 0:
+            raise MegaMoEError(f"num_sms must be >= 0 (0 = all SMs), got {self.num_sms}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Everything compiled into one kernel binary."""
+
+    shape: MoEShape
+    num_ranks: int
+    num_max_tokens_per_rank: int
+    block_m: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        s = self.shape
+        return (
+            f"megamoe_h{s.hidden}_i{s.intermediate}_e{s.num_experts}_k{s.num_topk}"
+            f"_r{self.num_ranks}_t{self.num_max_tokens_per_rank}_m{self.block_m}_s{self.num_stages}"
+        )
+
+    def validate(self) -> None:
+        if self.shape.hidden % BLOCK_N:
+            raise MegaMoEError(
+                f"the fused kernel needs hidden to be a multiple of {BLOCK_N}, got {self.shape.hidden}"
+            )
+        if self.num_ranks > MAX_RANKS:
+            raise MegaMoEError(f"the fused kernel supports at most {MAX_RANKS} ranks, got {self.num_ranks}")
+        if self.shape.num_topk > 32:
+            raise MegaMoEError(f"the fused kernel supports num_topk <= 32, got {self.shape.num_topk}")
+        KernelConfig(block_m=self.block_m, num_stages=self.num_stages).validate()
+
+
+def variant_for(config: BufferConfig, kernel: KernelConfig) -> Variant:
+    kernel.validate()
+    if config.block_m != kernel.block_m:
+        raise MegaMoEError(
+            f"buffer was laid out for block_m={config.block_m} but the kernel config asks for {kernel.block_m}"
+        )
+    v = Variant(config.shape, config.num_ranks, config.num_max_tokens_per_rank, kernel.block_m, kernel.num_stages)
+    v.validate()
+    return v
+
+
+def params_struct_source() -> str:
+    lines = ["struct alignas(128) Params {"]
+    lines += [f"    CUtensorMap {name};" for name in TMAP_FIELDS]
+    lines.append("    uint64_t buffer;")
+    lines.append(f"    int64_t peer_delta[{MAX_RANKS}];")
+    lines += [f"    uint64_t off_{name};" for name in OFFSET_SEGMENTS]
+    lines += [f"    uint64_t {name};" for name in TAIL_FIELDS]
+    lines.append("};")
+    return "\n".join(lines)
+
+
+def params_size() -> int:
+    raw = len(TMAP_FIELDS) * TMAP_BYTES + 8 * (1 + MAX_RANKS + len(OFFSET_SEGMENTS) + len(TAIL_FIELDS))
+    return (raw + 127) // 128 * 128
+
+
+def pack_params(
+    tmaps: Dict[str, bytes],
+    buffer_ptr: int,
+    peer_deltas: Sequence[int],
+    layout: BufferLayout,
+    tail: Dict[str, int],
+) -> bytes:
+    """Raw bytes of ``struct Params`` in the order ``params_struct_source`` declares."""
+    if len(peer_deltas) > MAX_RANKS:
+        raise MegaMoEError(f"at most {MAX_RANKS} ranks, got {len(peer_deltas)}")
+    out = bytearray()
+    for name in TMAP_FIELDS:
+        blob = tmaps[name]
+        if len(blob) != TMAP_BYTES:
+            raise MegaMoEError(f"tensor map {name} must be {TMAP_BYTES} bytes, got {len(blob)}")
+        out += blob
+    out += struct.pack("<Q", buffer_ptr)
+    deltas = list(peer_deltas) + [0] * (MAX_RANKS - len(peer_deltas))
+    out += struct.pack(f"<{MAX_RANKS}q", *deltas)
+    offsets = layout.offsets()
+    out += struct.pack(f"<{len(OFFSET_SEGMENTS)}Q", *(offsets[name] for name in OFFSET_SEGMENTS))
+    out += struct.pack(f"<{len(TAIL_FIELDS)}Q", *(int(tail[name]) for name in TAIL_FIELDS))
+    out += bytes(params_size() - len(out))
+    return bytes(out)
+
+
+def generate_source(variant: Variant) -> str:
+    s = variant.shape
+    defines = {
+        "MEGAMOE_HIDDEN": s.hidden,
+        "MEGAMOE_INTERMEDIATE": s.intermediate,
+        "MEGAMOE_NUM_EXPERTS": s.num_experts,
+        "MEGAMOE_NUM_TOPK": s.num_topk,
+        "MEGAMOE_NUM_RANKS": variant.num_ranks,
+        "MEGAMOE_NUM_MAX_TOKENS": variant.num_max_tokens_per_rank,
+        "MEGAMOE_BLOCK_M": variant.block_m,
+        "MEGAMOE_NUM_STAGES": variant.num_stages,
+        "MEGAMOE_SMEM_BYTES": smem_bytes(variant),
+    }
+    head = "\n".join(f"#define {k} {v}u" for k, v in defines.items())
+    return (
+        f"// Generated for variant {variant.name}\n"
+        "#include <cstdint>\n#include <cuda.h>\n"
+        f"{head}\n\n{params_struct_source()}\n"
+        f"static_assert(sizeof(Params) == {params_size()}, \"Params layout drifted from kernel_source.py\");\n\n"
+        '#include "megamoe/kernel.cuh"\n'
+    )
+
+
+def smem_bytes(variant: Variant) -> int:
+    """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
+    e_local = variant.shape.num_experts // variant.num_ranks
+    stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4)
+    staging = variant.block_m * BLOCK_N * 2 + 2 * variant.block_m * 4
+    barriers = 16 * variant.num_stages
+    schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
+    return stages + staging + barriers + schedule + 1024 + 256  # alignment slack
+
+
+def variants_for(shapes: Iterable[MoEShape], ranks: Iterable[int], tokens: Iterable[int],
+                 kernels: Iterable[KernelConfig]) -> List[Variant]:
+    out = []
+    for shape in shapes:
+        for r in ranks:
+            for t in tokens:
+                for k in kernels:
+                    v = Variant(shape, r, t, k.block_m, k.num_stages)
+                    v.validate()
+                    out.append(v)
+    return out
