@@ -1,0 +1,37 @@
+"""Registry of layer backends by name (one owner of the names).
+
+Imports are lazy: naming a backend never pulls in another backend's
+dependencies (the fused backend needs CUDA and the JIT; the reference does not).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, Tuple
+
+from .errors import MegaMoEError
+
+# name -> (module, class, constructor keyword arguments)
+_REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
+    "reference": ("megamoe_cli.reference", "ReferenceBackend", {}),
+    "torch": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "fp8"}),
+    "torch-bf16": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16"}),
+    "fused": ("megamoe_cli.fused", "FusedBackend", {}),
+}
+
+BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)
+
+# The backend whose time is the denominator of `speedup_vs_torch`.
+BASELINE_BACKEND = "torch"
+
+
+def get_backend(name: str) -> Any:
+    """Return a fresh backend object for ``name`` (see docs/INTERFACES.md, backend contract)."""
+    try:
+        module_name, class_name, kwargs = _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise MegaMoEError(
+            f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}"
+        ) from None
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name)(**kwargs)
