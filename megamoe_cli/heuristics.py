@@ -13,16 +13,15 @@ from typing import Optional, Tuple
 
 from . import tuned
 from .gpus import gpu_spec
+from .kernel_source import SUPPORTED_BLOCK_M, SUPPORTED_STAGES
 from .layout import MoEShape
-
-# Rows per pool block the kernel is compiled for, smallest first.  Only 64 today.
-SUPPORTED_BLOCK_M: Tuple[int, ...] = (64,)
 
 DEFAULT_KNOBS = {
     # Rows per pool block (the GEMM's M tile); see _block_m().
     "block_m": SUPPORTED_BLOCK_M[0],
-    # Shared-memory pipeline depth of the TMA -> WGMMA loop.
-    "num_stages": 4,
+    # Shared-memory pipeline depth of the TMA -> WGMMA loop: the deepest the kernel is built for
+    # (deeper hides more load latency; tests check it fits Hopper's shared memory for every preset).
+    "num_stages": max(SUPPORTED_STAGES),
     # SMs the persistent kernel occupies; None = every SM of the device.
     "num_sms": None,
     # Warps per CTA that pull peer tokens into the L1 pool.

@@ -192,3 +192,21 @@ def test_block_m_rule_picks_smallest_block_holding_expected_rows(monkeypatch):
     assert heuristics.default_config(DSV3, 8, 8, "H200")["block_m"] == 64
     assert heuristics.default_config(DSV3, 8, 300, "H200")["block_m"] == 128
     assert heuristics.default_config(DSV3, 8, 8192, "H200")["block_m"] == 256
+
+
+# Hopper's opt-in dynamic shared memory per block: 227 KiB.
+SM90_MAX_SMEM_BYTES = 227 * 1024
+
+
+@pytest.mark.parametrize("preset_name", sorted(PRESETS))
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_default_config_is_a_buildable_kernel_variant(preset_name, world_size):
+    from megamoe_cli.kernel_source import KernelConfig, Variant, smem_bytes
+
+    shape = PRESETS[preset_name]
+    if shape.num_experts % world_size:
+        pytest.skip("experts not divisible by ranks")
+    config = heuristics.default_config(shape, world_size, 8192, "H200")
+    KernelConfig(block_m=config["block_m"], num_stages=config["num_stages"], num_sms=config["num_sms"] or 0).validate()
+    variant = Variant(shape, world_size, 8192, config["block_m"], config["num_stages"])
+    assert smem_bytes(variant) <= SM90_MAX_SMEM_BYTES
