@@ -77,7 +77,7 @@ def cache(tmp_path, monkeypatch):
     return directory
 
 
-def slow_nvcc(tmp_path, seconds):
+def slow_nvcc(tmp_path, seconds, before_compile=""):
     """An nvcc that logs each compile to ``starts`` and sleeps first; ``--version`` matches the real one."""
     starts = tmp_path / "starts"
     wrapper = tmp_path / "slow-nvcc"
@@ -88,6 +88,7 @@ def slow_nvcc(tmp_path, seconds):
             if [ "$1" = "--version" ]; then exec {NVCC} --version; fi
             echo $$ >> {starts}
             sleep {seconds}
+            {before_compile}
             exec {NVCC} "$@"
             """
         )
@@ -205,6 +206,24 @@ def test_key_follows_headers_flags_and_source(cache, tmp_path):
     assert variant_key(variant) != second.key
     assert variant_key(KernelSource("with_header", source, flags=("-DX=1",), include_dirs=(str(include),))) != variant_key(variant)
     assert variant_key(KernelSource("with_header", source + "\n", include_dirs=(str(include),))) != variant_key(variant)
+
+
+@needs_nvcc
+def test_header_edited_during_the_compile_is_not_cached(cache, tmp_path, monkeypatch):
+    include = tmp_path / "csrc"
+    include.mkdir()
+    header = include / "scale.cuh"
+    header.write_text("constexpr int kScale = 2;\n")
+    nvcc, _ = slow_nvcc(tmp_path, 0, before_compile=f"echo 'constexpr int kScale = 3;' > {header}")
+    monkeypatch.setenv(build_module.ENV_NVCC, str(nvcc))
+    source = '#include "scale.cuh"\nextern "C" __global__ void k(float* x) { x[threadIdx.x] *= kScale; }\n'
+    variant = KernelSource("edited", source, include_dirs=(str(include),))
+    with pytest.raises(BuildError, match="changed while this variant compiled"):
+        build([variant])
+    assert not list(cache.glob("edited-*/kernel.cubin"))
+    monkeypatch.delenv(build_module.ENV_NVCC)
+    (kernel,) = build([variant])
+    assert kernel.key == variant_key(variant) and kernel.cubin_path.exists()
 
 
 @needs_nvcc

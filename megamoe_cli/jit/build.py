@@ -235,8 +235,8 @@ def nvcc_version(nvcc: str) -> str:
     return result.stdout
 
 
-@functools.lru_cache(maxsize=4096)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+def _file_digest(path: str) -> str:
+    # Read every time: an mtime-keyed memo misses same-size edits within one timestamp tick.
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
@@ -254,7 +254,11 @@ def _headers(include_dir: str) -> List[Tuple[str, str]]:
 
 
 def variant_key(kernel: KernelSource, nvcc: Optional[str] = None) -> str:
-    """sha256 over the source, every header under the include dirs, the flags and nvcc's version."""
+    """sha256 over the source, every header under the include dirs, the flags and nvcc's version.
+
+    Every ``*.cuh``/``*.h``/``*.hpp`` under each include dir counts, included or not: pass
+    the project's own header trees, not system ones.
+    """
     nvcc = nvcc or find_nvcc()
     digest = hashlib.sha256()
 
@@ -270,9 +274,8 @@ def variant_key(kernel: KernelSource, nvcc: Optional[str] = None) -> str:
     feed("nvcc", nvcc_version(nvcc))
     for index, include_dir in enumerate(kernel.include_dirs):
         for relative, absolute in _headers(include_dir):
-            stat = os.stat(absolute)
             feed("header", f"{index}/{relative}")
-            feed("content", _file_digest(absolute, stat.st_size, stat.st_mtime_ns))
+            feed("content", _file_digest(absolute))
     return digest.hexdigest()
 
 
@@ -318,6 +321,7 @@ class _Variant:
         self.lock_file = None
         self.temp_cubin: Optional[Path] = None
         self.argv: List[str] = []
+        self.failure_note = ""
 
     def finished(self) -> Optional[BuiltKernel]:
         if not _is_cubin(self.cubin):
@@ -385,9 +389,10 @@ class _Variant:
 
     def read_log(self) -> str:
         try:
-            return self.log_path.read_text(errors="replace")
+            log = self.log_path.read_text(errors="replace")
         except OSError:
-            return ""
+            log = ""
+        return f"{log}\n{self.failure_note}" if self.failure_note else log
 
     def commit(self, nvcc: str) -> BuiltKernel:
         """Parse the log, write the report, then publish the cubin (the completion mark)."""
@@ -494,13 +499,19 @@ def _compile(variants: List[_Variant], nvcc: str, jobs: int, verbose: bool) -> T
             list(pool.map(_compile_one, variants))
     built, failed = [], []
     for variant in variants:
-        if variant.temp_cubin is not None and _is_cubin(variant.temp_cubin):
+        if variant.temp_cubin is None or not _is_cubin(variant.temp_cubin):
+            failed.append(variant)
+        elif variant_key(variant.kernel, nvcc) != variant.key:
+            variant.failure_note = (
+                "a header under the include dirs changed while this variant compiled, so the cubin may not "
+                "match its key; it was not cached. Build again."
+            )
+            failed.append(variant)
+        else:
             kernel = variant.commit(nvcc)
             if verbose:
                 sys.stderr.write(f"jit: built {variant.cubin} ({kernel.report.summary()})\n")
             built.append(kernel)
-        else:
-            failed.append(variant)
     return built, failed, driver_output
 
 

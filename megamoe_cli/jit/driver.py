@@ -147,11 +147,13 @@ def _library() -> ctypes.CDLL:
 
 
 def _function(name: str):
-    with _lock:
-        function = _functions.get(name)
-        if function is None:
-            function = _functions[name] = _bind(_library(), name)
-        return function
+    function = _functions.get(name)
+    if function is None:
+        with _lock:
+            function = _functions.get(name)
+            if function is None:
+                function = _functions[name] = _bind(_library(), name)
+    return function
 
 
 def _error_text(code: int) -> Tuple[str, str]:
@@ -335,25 +337,21 @@ class CudaFunction:
         ctypes.memmove(address, params, len(params))
         pointer_array = (ctypes.c_void_p * 1)(address)
         kernel_params = ctypes.cast(pointer_array, _c_void_pp) if params else None
-        what = f"{self.name}, grid={grid3}, block={block3}, smem={smem_bytes}, cluster={cluster3}"
+        stream_handle = ctypes.c_void_p(int(stream))
         if cluster3 == (1, 1, 1):
-            _call(
-                "cuLaunchKernel",
-                ctypes.c_void_p(self.handle),
-                *grid3,
-                *block3,
-                int(smem_bytes),
-                ctypes.c_void_p(int(stream)),
-                kernel_params,
-                None,
-                what=what,
+            result = _function("cuLaunchKernel")(
+                ctypes.c_void_p(self.handle), *grid3, *block3, int(smem_bytes), stream_handle, kernel_params, None
             )
-            return
-        attribute = CUlaunchAttribute()
-        attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster3
-        config = CUlaunchConfig(*grid3, *block3, int(smem_bytes), ctypes.c_void_p(int(stream)), ctypes.pointer(attribute), 1)
-        _call("cuLaunchKernelEx", ctypes.byref(config), ctypes.c_void_p(self.handle), kernel_params, None, what=what)
+            call = "cuLaunchKernel"
+        else:
+            attribute = CUlaunchAttribute()
+            attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster3
+            config = CUlaunchConfig(*grid3, *block3, int(smem_bytes), stream_handle, ctypes.pointer(attribute), 1)
+            result = _function("cuLaunchKernelEx")(ctypes.byref(config), ctypes.c_void_p(self.handle), kernel_params, None)
+            call = "cuLaunchKernelEx"
+        if result != CUDA_SUCCESS:
+            check(result, f"{call}({self.name}, grid={grid3}, block={block3}, smem={smem_bytes}, cluster={cluster3})")
 
 
 class CudaModule:
