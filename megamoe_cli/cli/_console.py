@@ -1,0 +1,39 @@
+"""Where human output goes: rich, on stderr (stdout carries only machine output such as --json)."""
+
+from __future__ import annotations
+
+import os
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+# Width when stderr is a file or a pipe: tables of exact numbers must never be cut to 80 columns.
+_REDIRECTED_WIDTH = 200
+
+
+def stderr_console():
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=True, width=_REDIRECTED_WIDTH)
+    return console
+
+
+def percent(part: float, whole: float) -> str:
+    """A share as ``12.34%``; a non-zero share too small to show reads ``<0.01%``."""
+    share = 100.0 * part / whole if whole else 0.0
+    return "<0.01%" if 0 < share < 0.005 else f"{share:.2f}%"
+
+
+def human_bytes(nbytes: int) -> str:
+    """Binary units, three significant digits: ``512 B``, ``1.50 KiB``, ``21.3 GiB``."""
+    value = float(nbytes)
+    unit = 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{nbytes} B"
+    digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+    return f"{value:.{digits}f} {_UNITS[unit]}"

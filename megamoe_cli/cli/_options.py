@@ -1,0 +1,67 @@
+"""Flag parsing shared by commands: comma-separated lists and the shape flags."""
+
+from __future__ import annotations
+
+import click
+
+
+class IntList(click.ParamType):
+    """``128,1024,8192`` -> ``[128, 1024, 8192]``."""
+
+    name = "N[,N...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        try:
+            items = [int(part) for part in str(value).split(",") if part.strip()]
+        except ValueError:
+            self.fail(f"expected comma-separated integers, got {value!r}", param, ctx)
+        if not items:
+            self.fail(f"expected at least one integer, got {value!r}", param, ctx)
+        return items
+
+
+class NameList(click.ParamType):
+    """``fused,torch`` -> ``["fused", "torch"]``, each checked against ``choices``."""
+
+    name = "NAME[,NAME...]"
+
+    def __init__(self, choices):
+        self.choices = tuple(choices)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        items = [part.strip() for part in str(value).split(",") if part.strip()]
+        unknown = [item for item in items if item not in self.choices]
+        if unknown or not items:
+            self.fail(f"expected names from {', '.join(self.choices)}, got {value!r}", param, ctx)
+        return items
+
+
+def shape_options(command):
+    """``--preset --hidden --intermediate --experts --topk`` (explicit flags override the preset)."""
+    from ..layout import PRESETS
+
+    decorators = [
+        click.option("--preset", type=click.Choice(sorted(PRESETS)),
+                     help="Model shape (default deepseek-v3); the flags below override its fields."),
+        click.option("--hidden", type=int, help="Hidden size, a multiple of 128."),
+        click.option("--intermediate", type=int, help="Expert intermediate size, a multiple of 128."),
+        click.option("--experts", "num_experts", type=int, help="Number of experts."),
+        click.option("--topk", "num_topk", type=int, help="Experts per token."),
+    ]
+    for decorator in reversed(decorators):
+        command = decorator(command)
+    return command
+
+
+def resolve_shape(preset, hidden, intermediate, num_experts, num_topk, default_preset="deepseek-v3"):
+    """The MoE shape of a preset with explicit fields overriding it."""
+    from ..layout import MoEShape
+    from ..layout import preset as preset_shape
+
+    base = vars(preset_shape(preset or default_preset))
+    overrides = {"hidden": hidden, "intermediate": intermediate, "num_experts": num_experts, "num_topk": num_topk}
+    return MoEShape(**{**base, **{k: v for k, v in overrides.items() if v is not None}})

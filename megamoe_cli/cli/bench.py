@@ -1,0 +1,191 @@
+"""``megamoe bench``: measure the layer on every local GPU (or 2 CPU ranks) and record the rows.
+
+Thin: points come from ``bench.sweep`` (a YAML file or these flags, through one validator), the
+run from ``bench.launcher.run_bench`` (torchrun, deadlines, rows appended as they finish), the
+summary view from ``bench.results``.  This module picks per-device defaults and renders.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ._options import IntList, NameList, shape_options
+
+DEFAULT_OUT = "results/bench.csv"
+
+# What a bare `megamoe bench` measures, per device.  On a GPU: the DeepSeek-V3 MoE layer, fused
+# against the unfused PyTorch pipeline, from decode to prefill sizes.  On CPU (no GPU): a small
+# shape that finishes in seconds on 2 gloo ranks, checked against the reference.
+DEFAULTS = {
+    "cuda": {"preset": "deepseek-v3", "num_tokens": [8, 128, 1024, 8192], "backends": ["fused", "torch"]},
+    "cpu": {"preset": "small", "num_tokens": [16, 128], "backends": ["torch", "reference"]},
+}
+
+# Flags that describe points; they cannot be mixed with --sweep.
+POINT_FLAGS = ("preset", "hidden", "intermediate", "num_experts", "num_topk", "num_tokens", "backends",
+               "block_m", "warmup", "iters", "seed", "check", "flush_l2", "point_timeout")
+
+
+def _backend_names():
+    from ..backends import BACKENDS
+
+    return BACKENDS
+
+
+@click.command()
+@click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False),
+              help="A sweep YAML file (see sweeps/); replaces the point flags below.")
+@shape_options
+@click.option("--tokens", "num_tokens", type=IntList(),
+              help="Tokens per rank, comma-separated (default per device: see below).")
+@click.option("--backend", "backends", type=NameList(_backend_names()),
+              help="Backends to run, comma-separated: fused, torch, torch-bf16, reference.")
+@click.option("--block-m", "block_m", type=IntList(), help="Fused kernel block_m values to sweep.")
+@click.option("--warmup", type=int, help="Untimed calls before timing (default 5).")
+@click.option("--iters", type=int, help="Timed calls per point; the median is reported (default 20).")
+@click.option("--seed", type=int, help="Seed of the generated problem (default 0).")
+@click.option("--check/--no-check", default=True, help="Compare every output with the reference (default on).")
+@click.option("--flush-l2", is_flag=True, help="Flush the L2 cache before every timed call.")
+@click.option("--point-timeout", type=float, help="Seconds one point may take before its ranks are stopped.")
+@click.option("--ranks", "nproc", type=int, help="Number of ranks (default: every GPU, or 2 on CPU).")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="auto: CUDA when torch sees a GPU, else CPU ranks with gloo.")
+@click.option("--timeout", "run_timeout", type=float, help="Seconds the whole run may take.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=DEFAULT_OUT, show_default=True,
+              help="Results file rows are appended to (.csv, .jsonl or .parquet).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as a JSON array on stdout.")
+def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_tokens, backends, block_m,
+          warmup, iters, seed, check, flush_l2, point_timeout, nproc, device, run_timeout, out_path, as_json):
+    """Benchmark the MoE layer: fused kernel vs the unfused PyTorch pipeline, launched with torchrun.
+
+    Every point is timed after a cross-rank barrier (median over --iters, the slowest rank is the
+    layer's time) and checked against the reference; rows are appended to --out as they finish.
+
+    \b
+    With no flags: on a GPU machine, deepseek-v3 at 8,128,1024,8192 tokens per rank with the
+    fused and torch backends on every GPU; without a GPU, the small preset at 16,128 tokens per
+    rank with the torch and reference backends on 2 CPU ranks.
+
+    \b
+    Examples:
+      megamoe bench
+      megamoe bench --preset deepseek-v3 --ranks 8 --tokens 128,1024,8192 --backend fused,torch
+      megamoe bench --sweep sweeps/decode.yaml --out results/decode.csv
+      megamoe bench --device cpu --preset small --tokens 64 --json
+    """
+    from pathlib import Path
+
+    from ..bench.launcher import resolve_device, run_bench
+    from ..bench.results import check_output_path, file_format
+    from ._console import stderr_console
+
+    ctx = click.get_current_context()
+    given = {name: ctx.params[name] for name in POINT_FLAGS
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    if sweep_file and given:
+        spelled = {param.name: param.opts[0] for param in ctx.command.params}
+        flags = ", ".join(spelled[name] for name in given)
+        raise click.UsageError(f"--sweep replaces the point flags; drop {flags} or the sweep file")
+
+    out = Path(out_path)
+    file_format(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_path(out)
+    device_kind, world_size, _ = resolve_device(device, nproc)
+    if sweep_file:
+        from ..bench.sweep import load_sweep
+
+        sweep = load_sweep(sweep_file)
+    else:
+        sweep = _sweep_from_flags(device_kind, given)
+
+    console = stderr_console()
+    if not sweep_file and not given:
+        console.print(_default_note(device_kind, world_size), style="bold yellow", highlight=False)
+    result = _run(console, run_bench, sweep.points, nproc=world_size, out_path=out, device=device_kind,
+                  timeout_s=run_timeout)
+
+    if as_json:
+        from ..bench.results import row_to_json
+
+        sys.stdout.write("[\n" + ",\n".join(row_to_json(row) for row in result.rows) + "\n]\n")
+    if result.rows:
+        from ..bench.results import summary
+        from ._tables import rich_table
+
+        console.print(rich_table(summary(result.frame()), title=f"{sweep.name}: {result.message}"))
+        console.print(f"rows appended to {out} (run {result.run_id})", highlight=False)
+    if not result.ok:
+        from ..errors import MegaMoEError
+
+        raise MegaMoEError(result.message)
+    if result.num_failed_rows:
+        console.print(
+            f"{result.num_failed_rows} of {len(result.rows)} points failed; their error column says why",
+            style="yellow",
+        )
+
+
+def _sweep_from_flags(device_kind: str, given: dict):
+    """Points from the flags given; what they leave out comes from the device's defaults."""
+    from ..bench.sweep import sweep_from_flags
+
+    defaults = DEFAULTS[device_kind]
+    return sweep_from_flags(
+        preset=given.get("preset", defaults["preset"]),
+        num_tokens=given.get("num_tokens", defaults["num_tokens"]),
+        backends=given.get("backends", defaults["backends"]),
+        hidden=given.get("hidden"),
+        intermediate=given.get("intermediate"),
+        num_experts=given.get("num_experts"),
+        num_topk=given.get("num_topk"),
+        block_m=given.get("block_m"),
+        warmup=given.get("warmup"),
+        iters=given.get("iters"),
+        seed=given.get("seed"),
+        check=given.get("check"),
+        flush_l2=given.get("flush_l2"),
+        timeout_s=given.get("point_timeout"),
+        name="cli" if given else "default",
+    )
+
+
+def _default_note(device_kind: str, world_size: int) -> str:
+    d = DEFAULTS[device_kind]
+    what = (f"preset {d['preset']}, {' and '.join(str(t) for t in d['num_tokens'])} tokens per rank, "
+            f"backends {' and '.join(d['backends'])}")
+    if device_kind == "cpu":
+        return (f"no GPU found: running the small CPU default ({what}) on {world_size} CPU ranks; "
+                "CPU times say nothing about GPU performance")
+    return f"no flags given: running the default ({what}) on {world_size} GPU(s)"
+
+
+def _run(console, run_bench, points, **kwargs):
+    """run_bench with a progress bar on stderr and one line per finished point."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..bench.results import STATUS_OK
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("starting ranks", total=len(points))
+
+        def on_event(event):
+            if event.kind == "info":
+                progress.console.print(event.message, highlight=False)
+            elif event.kind == "start":
+                progress.update(task, description=f"point {event.index + 1}: {event.point.describe()}")
+            elif event.kind == "row":
+                row = event.row
+                what = event.point.describe() if event.point is not None else row.get("backend", "")
+                if row.get("status") == STATUS_OK:
+                    progress.console.print(f"  ok     {what}: {row['time_us_median']:,.1f} us", highlight=False)
+                else:
+                    first = (row.get("error") or "no error recorded").strip().splitlines()[0]
+                    progress.console.print(f"  failed {what}: {first}", style="red", highlight=False,
+                                           markup=False)
+                progress.advance(task)
+
+        return run_bench(points, on_event=on_event, **kwargs)

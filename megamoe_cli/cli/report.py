@@ -1,0 +1,119 @@
+"""``megamoe report``: a results file as a table (rich or markdown) and a latency plot.
+
+Thin: reading and the summary view (speedup against the unfused baseline of the same run) belong
+to ``megamoe_cli.bench.results``; this module only formats.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("results_file", type=click.Path(dir_okay=False))
+@click.option("--markdown", is_flag=True, help="Print the table as markdown on stdout.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary rows as JSON on stdout.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Where to write the latency plot (default: the results file with a .png suffix).")
+@click.option("--no-plot", is_flag=True, help="Do not write a plot.")
+def report(results_file, markdown, as_json, plot_path, no_plot):
+    """Render a results file: summary table and a latency-vs-tokens plot per backend.
+
+    \b
+    Examples:
+      megamoe report results/bench.csv
+      megamoe report results/bench.csv --markdown > results.md
+      megamoe report results/bench.jsonl --plot latency.png --json
+    """
+    from ..bench.results import STATUS_OK, read_results, summary
+    from ..errors import MegaMoEError
+    from ._console import stderr_console
+    from ._tables import markdown_table, plain, rich_table
+
+    if plot_path and no_plot:
+        raise click.UsageError("--plot and --no-plot contradict each other")
+    can_plot = _have_matplotlib()
+    if plot_path and not can_plot:
+        raise MegaMoEError("--plot needs matplotlib (pip install matplotlib)")
+    path = Path(results_file)
+    frame = read_results(path)
+    if frame.empty:
+        raise MegaMoEError(f"{path}: no result rows")
+    view = summary(frame)
+    console = stderr_console()
+
+    if as_json:
+        json.dump([{k: plain(v) for k, v in row.items()} for row in view.to_dict("records")], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif markdown:
+        sys.stdout.write(markdown_table(view))
+    else:
+        console.print(rich_table(view, title=f"{path} ({len(view)} rows)"))
+    for _, row in frame[frame["status"] != STATUS_OK].iterrows():
+        console.print(
+            f"{row['status']}: {row['backend']} tokens/rank={row['num_tokens']}: {row['error'] or 'no error recorded'}",
+            style="red", highlight=False, markup=False,
+        )
+
+    if no_plot:
+        return
+    if not can_plot:
+        console.print("no plot: matplotlib is not installed (pip install matplotlib)", style="yellow")
+        return
+    target = Path(plot_path) if plot_path else path.with_suffix(".png")
+    if _plot(frame, target):
+        console.print(f"plot: {target}", highlight=False)
+    else:
+        console.print("no plot: no successful rows to plot", style="yellow")
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _plot(frame, target: Path) -> bool:
+    """Median latency vs tokens per rank, one line per backend, one panel per shape and world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    from ..bench.results import STATUS_OK, summary
+
+    ok_rows = frame[frame["status"] == STATUS_OK]
+    if ok_rows.empty:
+        return False
+    ok = summary(ok_rows)
+    ok["panel"] = [f"{shape}, {int(ws)} ranks" for shape, ws in zip(ok["shape"], ok_rows["world_size"])]
+    panels = list(dict.fromkeys(ok["panel"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        rows = ok[ok["panel"] == panel]
+        for backend in dict.fromkeys(rows["backend"]):
+            # Several rows per point (block_m variants, repeated runs): plot the fastest.
+            best = rows[rows["backend"] == backend].groupby("num_tokens")["time_us_median"].min().sort_index()
+            ax.plot(best.index.astype(float), best.values.astype(float), marker="o", label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(float(t) for t in set(rows["num_tokens"])))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("layer time, us (median, slowest rank)")
+        ax.set_title(panel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=120)
+    plt.close(fig)
+    return True

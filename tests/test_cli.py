@@ -1,0 +1,398 @@
+"""The command line, through click's CliRunner (and a subprocess where start-up cost matters)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from megamoe_cli import __version__
+from megamoe_cli.cli import main
+from megamoe_cli.layout import PRESETS, BufferConfig, build_layout
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args, **kwargs):
+    return CliRunner().invoke(main, list(args), **kwargs)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_help_lists_every_command():
+    result = run("--help")
+    assert result.exit_code == 0
+    for command in ("sizes", "bench", "tune", "report"):
+        assert command in result.stdout
+
+
+def test_version():
+    result = run("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"megamoe {__version__}"
+
+
+def test_help_imports_nothing_heavy():
+    # --help must stay instant: the CLI modules import click only; torch, pandas and rich load
+    # inside the command that needs them.
+    code = (
+        "import sys\n"
+        "from megamoe_cli.cli import main\n"
+        "try:\n"
+        "    main(['--help'], prog_name='megamoe')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "heavy = sorted(m for m in ('torch', 'pandas', 'numpy', 'rich', 'yaml', 'matplotlib') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run(
+        [sys.executable, "-m", "megamoe_cli", "sizes", "--preset", "small", "--ranks", "2", "--tokens", "16", "--json"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_ranks"] == 2
+
+
+def _layout(preset_name, ranks, tokens, **kwargs):
+    return build_layout(BufferConfig(num_ranks=ranks, num_max_tokens_per_rank=tokens, shape=PRESETS[preset_name], **kwargs))
+
+
+def test_sizes_table_shows_every_segment_and_the_pool():
+    result = run("sizes", "--preset", "deepseek-v3", "--ranks", "2", "--tokens", "8192")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""  # the human table goes to stderr
+    layout = _layout("deepseek-v3", 2, 8192)
+    for seg in layout.segments:
+        assert seg.name in result.stderr
+        assert f"{seg.offset:,}" in result.stderr
+    # Pool capacity by hand: 2*8192*8 + 128*63 = 139136 rows = 2174 blocks of 64.
+    assert "139,136 tokens = 2,174 blocks of 64" in result.stderr
+    assert f"{layout.total_bytes:,} bytes" in result.stderr
+    assert "fits H200" in result.stderr
+
+
+def test_sizes_verbose_shows_writer_reader_reset():
+    result = run("sizes", "--preset", "small", "--ranks", "2", "--tokens", "16", "--verbose")
+    assert result.exit_code == 0, result.output
+    for header in ("writer", "reader", "reset"):
+        assert header in result.stderr
+    assert "peers' L2 epilogue push (NVLink)" in result.stderr
+
+
+def test_sizes_json_equals_layout():
+    result = run("sizes", "--preset", "deepseek-v3", "--ranks", "2", "--tokens", "8192", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    fit = data.pop("fit")
+    layout = _layout("deepseek-v3", 2, 8192)
+    assert data == layout.to_dict()
+    assert fit["gpu"] == "H200"
+    assert fit["fits"] is True
+    assert fit["free_bytes"] == fit["gpu_memory_bytes"] - layout.total_bytes
+
+
+def test_sizes_flags_override_preset():
+    result = run("sizes", "--preset", "small", "--ranks", "4", "--tokens", "32", "--experts", "16",
+                 "--topk", "4", "--hidden", "1024", "--block-m", "32", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["hidden"], data["intermediate"], data["num_experts"], data["num_topk"]) == (1024, 256, 16, 4)
+    assert data["block_m"] == 32
+    # E_local = 4, min(topk, E_local) = 4: 4*32*4 + 4*31 = 636 -> align 32 = 640.
+    assert data["num_max_pool_tokens"] == 640
+
+
+def test_sizes_reports_when_the_buffer_does_not_fit():
+    result = run("sizes", "--preset", "deepseek-v3", "--ranks", "8", "--tokens", "262144", "--gpu", "H100", "--json")
+    assert result.exit_code == 0
+    fit = json.loads(result.stdout)["fit"]
+    assert fit["fits"] is False and fit["free_bytes"] < 0
+    table = run("sizes", "--preset", "deepseek-v3", "--ranks", "8", "--tokens", "262144", "--gpu", "H100")
+    assert "does NOT fit H100" in table.stderr
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--hidden", "100"], ["hidden must be a multiple of 128"]),
+        (["--ranks", "3"], ["num_experts=256 must be divisible by num_ranks=3"]),
+        (["--topk", "0"], ["num_topk must be a positive integer"]),
+        (["--tokens", "0"], ["num_max_tokens_per_rank must be a positive integer"]),
+        (["--ranks", "abc"], ["'--ranks'", "not a valid integer", "megamoe sizes --help"]),
+        (["--preset", "gpt-5"], ["'--preset'", "gpt-5"]),
+        (["--gpu", "A100"], ["unknown GPU 'A100'"]),
+        (["--frobnicate"], ["No such option", "--frobnicate"]),
+    ],
+)
+def test_sizes_bad_input_is_one_line_exit_2(args, fragments):
+    assert_one_line_error(run("sizes", *args), *fragments)
+
+
+def test_unknown_command_is_one_line_exit_2():
+    assert_one_line_error(run("frobnicate"), "No such command")
+
+
+def test_a_bug_is_a_traceback_exit_1(monkeypatch):
+    from megamoe_cli.cli import sizes as sizes_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("layout exploded")
+
+    monkeypatch.setattr(sizes_module, "build_sizes", broken)
+    result = run("sizes")
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr
+    assert "layout exploded" in result.stderr
+
+
+def test_tune_without_the_kernel_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGAMOE_TUNED_CONFIG", str(tmp_path / "tuned.json"))
+    result = run("tune", "--preset", "small", "--ranks", "2", "--tokens", "16")
+    assert_one_line_error(result, "needs a CUDA GPU with the fused kernel")
+    assert not (tmp_path / "tuned.json").exists()
+
+
+def test_tune_bad_tokens_flag():
+    assert_one_line_error(run("tune", "--tokens", "12,abc"), "comma-separated integers")
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _results_csv(path, failed_error="rank 1: out of memory"):
+    from megamoe_cli.bench import results, sweep
+
+    points = sweep.sweep_from_flags(num_tokens=[8, 64], backends=["torch", "fused"], preset="small").points
+    rows = []
+    for point in points:
+        fused = point.backend == "fused"
+        if fused and point.num_tokens == 64:
+            rows.append(results.make_row(point, run_id="r1", world_size=2, device="cpu", env={},
+                                         status=results.STATUS_FAILED, error=failed_error))
+            continue
+        median = (100.0 if fused else 400.0) * point.num_tokens
+        rows.append(results.make_row(
+            point, run_id="r1", world_size=2, device="cpu", env={}, status=results.STATUS_OK,
+            timing={"time_us_median": median, "time_us_min": median * 0.9, "time_us_max": median * 1.1},
+        ))
+    results.append_rows(path, rows)
+    return path
+
+
+def test_report_table_markdown_and_json(tmp_path):
+    csv_path = _results_csv(tmp_path / "bench.csv")
+
+    table = run("report", str(csv_path), "--no-plot")
+    assert table.exit_code == 0, table.output
+    assert "3,200.0" in table.stderr  # torch at 8 tokens: 400 us * 8
+    assert "4.00x" in table.stderr  # fused at 8 tokens: 3200 / 800
+    assert "failed: fused tokens/rank=64: rank 1: out of memory" in table.stderr
+
+    md = run("report", str(csv_path), "--markdown", "--no-plot")
+    assert md.exit_code == 0, md.output
+    lines = md.stdout.strip().splitlines()
+    assert lines[0].startswith("| backend | shape | tokens/rank |")
+    assert len(lines) == 2 + 4
+    assert "| fused | small | 8 |" in md.stdout
+
+    js = run("report", str(csv_path), "--json", "--no-plot")
+    assert js.exit_code == 0, js.output
+    rows = json.loads(js.stdout)
+    assert len(rows) == 4
+    fused8 = next(r for r in rows if r["backend"] == "fused" and r["num_tokens"] == 8)
+    assert fused8["time_us_median"] == 800.0
+    assert fused8["speedup_vs_torch"] == pytest.approx(4.0)
+    failed = next(r for r in rows if r["status"] == "failed")
+    assert failed["time_us_median"] is None
+
+
+def test_report_writes_a_png_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    csv_path = _results_csv(tmp_path / "bench.csv")
+    result = run("report", str(csv_path))
+    assert result.exit_code == 0, result.output
+    png = tmp_path / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {png}" in result.stderr
+
+    custom = tmp_path / "plots" / "latency.png"
+    result = run("report", str(csv_path), "--plot", str(custom))
+    assert result.exit_code == 0, result.output
+    assert custom.stat().st_size > 0
+
+
+def test_report_without_matplotlib_says_so(tmp_path, monkeypatch):
+    csv_path = _results_csv(tmp_path / "bench.csv")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = run("report", str(csv_path))
+    assert result.exit_code == 0, result.output
+    assert "no plot: matplotlib is not installed" in result.stderr
+    assert not (tmp_path / "bench.png").exists()
+    assert_one_line_error(run("report", str(csv_path), "--plot", str(tmp_path / "x.png")), "needs matplotlib")
+
+
+@pytest.mark.parametrize(
+    "name, content, fragments",
+    [
+        ("missing.csv", None, ["missing.csv", "not found"]),
+        ("bench.txt", "x", ["unknown results format '.txt'"]),
+        ("other.csv", "a,b\n1,2\n", ["not a megamoe results file"]),
+    ],
+)
+def test_report_bad_files_are_one_line_exit_2(tmp_path, name, content, fragments):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    assert_one_line_error(run("report", str(path)), *fragments)
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def test_bench_runs_on_cpu_ranks_and_records_rows(tmp_path):
+    out = tmp_path / "results" / "bench.csv"
+    result = run("bench", "--device", "cpu", "--preset", "small", "--tokens", "8", "--backend", "torch",
+                 "--warmup", "0", "--iters", "2", "--out", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["backend"], row["num_tokens"], row["world_size"], row["status"]) == ("torch", 8, 2, "ok")
+    assert row["time_us_median"] > 0
+    assert "running 2 CPU rank(s)" in result.stderr
+    assert "rows appended to" in result.stderr
+    from megamoe_cli.bench.results import read_results
+
+    saved = read_results(out)
+    assert list(saved["run_id"]) == [row["run_id"]]
+
+
+class FakeRun:
+    """Stands in for launcher.run_bench: records the points, returns one ok row per point."""
+
+    def __init__(self, ok=True):
+        self.ok = ok
+        self.calls = []
+
+    def __call__(self, points, nproc=None, out_path=None, **kwargs):
+        from megamoe_cli.bench import launcher, results
+
+        self.calls.append({"points": list(points), "nproc": nproc, "out_path": out_path, **kwargs})
+        rows = [results.make_row(p, run_id="fake", world_size=nproc, device=kwargs["device"], env={},
+                                 status=results.STATUS_OK,
+                                 timing={"time_us_median": 10.0, "time_us_min": 9.0, "time_us_max": 11.0})
+                for p in points]
+        if self.ok:
+            return launcher.BenchResult("ok", f"{len(rows)} point(s) measured", rows, kwargs["device"], nproc,
+                                        "fake", out_path, num_points=len(rows), returncode=0)
+        message = "run stopped at point 1 of 2 (torch small num_tokens=64): rank 1 exited with code 2"
+        return launcher.BenchResult("failed", message, rows[:1], kwargs["device"], nproc, "fake", out_path,
+                                    num_points=len(rows), returncode=1)
+
+
+@pytest.fixture
+def fake_cpu_run(monkeypatch):
+    from megamoe_cli.bench import launcher
+
+    fake = FakeRun()
+    monkeypatch.setattr(launcher, "run_bench", fake)
+    monkeypatch.setattr(launcher, "resolve_device",
+                        lambda device, nproc: ("cpu", nproc or 2, "running CPU ranks"))
+    return fake
+
+
+def test_bare_bench_without_gpu_runs_the_small_cpu_default(fake_cpu_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("bench")
+    assert result.exit_code == 0, result.output
+    assert "no GPU found: running the small CPU default" in result.stderr
+    (call,) = fake_cpu_run.calls
+    points = call["points"]
+    assert {p.preset for p in points} == {"small"}
+    assert sorted({p.num_tokens for p in points}) == [16, 128]
+    assert {p.backend for p in points} == {"torch", "reference"}
+    assert call["nproc"] == 2 and call["device"] == "cpu"
+    assert call["out_path"] == Path("results/bench.csv")
+    assert (tmp_path / "results").is_dir()
+
+
+def test_bench_flags_override_the_defaults(fake_cpu_run, tmp_path):
+    result = run("bench", "--tokens", "4,32", "--experts", "16", "--iters", "3", "--ranks", "4",
+                 "--out", str(tmp_path / "r.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert "no GPU found" not in result.stderr
+    (call,) = fake_cpu_run.calls
+    points = call["points"]
+    assert sorted({p.num_tokens for p in points}) == [4, 32]
+    assert {(p.hidden, p.num_experts, p.iters) for p in points} == {(512, 16, 3)}
+    assert call["nproc"] == 4
+
+
+def test_bench_reads_a_sweep_file(fake_cpu_run, tmp_path):
+    sweep = tmp_path / "decode.yaml"
+    sweep.write_text("name: decode\nshape: {preset: small}\nnum_tokens: [1, 2, 4]\nbackends: [torch]\n")
+    result = run("bench", "--sweep", str(sweep), "--out", str(tmp_path / "r.csv"))
+    assert result.exit_code == 0, result.output
+    (call,) = fake_cpu_run.calls
+    assert [p.num_tokens for p in call["points"]] == [1, 2, 4]
+    assert {p.sweep for p in call["points"]} == {"decode"}
+
+
+def test_bench_bad_sweep_file_names_the_line(fake_cpu_run, tmp_path):
+    sweep = tmp_path / "bad.yaml"
+    sweep.write_text("name: bad\nshape: {preset: small}\nnum_tokens: [1]\nbackends: [torch]\nwarmup: -1\n")
+    assert_one_line_error(run("bench", "--sweep", str(sweep), "--out", str(tmp_path / "r.csv")),
+                          f"{sweep}:5", "warmup")
+    assert not fake_cpu_run.calls
+
+
+def test_bench_sweep_and_point_flags_conflict(fake_cpu_run, tmp_path):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nshape: {preset: small}\nnum_tokens: [1]\nbackends: [torch]\n")
+    assert_one_line_error(run("bench", "--sweep", str(sweep), "--tokens", "8"), "--sweep replaces", "--tokens")
+    assert not fake_cpu_run.calls
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--backend", "fast"], ["'--backend'", "fast"]),
+        (["--tokens", "8,x"], ["comma-separated integers"]),
+        (["--hidden", "100"], ["hidden must be a multiple of 128"]),
+        (["--out", "results/bench.txt"], ["unknown results format '.txt'"]),
+    ],
+)
+def test_bench_bad_flags_are_one_line_exit_2(fake_cpu_run, args, fragments):
+    assert_one_line_error(run("bench", *args), *fragments)
+    assert not fake_cpu_run.calls
+
+
+def test_bench_run_that_stops_early_exits_2_after_showing_what_it_measured(monkeypatch, tmp_path):
+    from megamoe_cli.bench import launcher
+
+    monkeypatch.setattr(launcher, "run_bench", FakeRun(ok=False))
+    monkeypatch.setattr(launcher, "resolve_device", lambda device, nproc: ("cpu", 2, "running CPU ranks"))
+    result = run("bench", "--tokens", "8,64", "--backend", "torch", "--out", str(tmp_path / "r.csv"))
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: run stopped at point 1 of 2")
+    assert "torch" in result.stderr and "10.0" in result.stderr
