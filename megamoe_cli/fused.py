@@ -1,0 +1,395 @@
+"""The fused Mega MoE layer on Hopper: symmetric buffer, weight re-layout and the launch.
+
+```
+buf = SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate)
+buf.x[:n], buf.x_sf[:n], buf.topk_idx[:n], buf.topk_weights[:n] = ...   # fill before each call
+l1, l2 = transform_weights_for_mega_moe((w1, w1_sf), (w2, w2_sf))    # once
+mega_moe(y, l1, l2, buf)                                               # y: [n, hidden] bf16
+```
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .errors import MegaMoEError, MegaMoETimeout
+from .kernel_source import (
+    KERNEL_NAME,
+    NUM_THREADS,
+    KernelConfig,
+    Variant,
+    csrc_dir,
+    generate_source,
+    pack_params,
+    smem_bytes,
+    variant_for,
+)
+from .layout import (
+    BufferConfig,
+    BufferLayout,
+    MoEShape,
+    build_layout,
+    workspace_bytes,
+)
+
+DEFAULT_TIMEOUT_S = 30.0
+ENV_TIMEOUT = "MEGAMOE_TIMEOUT_S"
+
+_TORCH_DTYPES = {
+    "u64": torch.int64,
+    "i64": torch.int64,
+    "u32": torch.int32,
+    "i32": torch.int32,
+    "f32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+_PHASES = {
+    1: "count barrier (grid)",
+    2: "count barrier (ranks)",
+    3: "L1 arrival (rows pulled into the pool)",
+    4: "L2 arrival (L1 tiles of a block)",
+    5: "combine barrier (grid)",
+    6: "combine barrier (ranks)",
+    7: "TMA/WGMMA pipeline",
+    8: "topk_idx out of range",
+    9: "too many pairs for one expert (a token repeats an expert)",
+}
+_DIAG_MAGIC = 0x4D4F4521
+
+
+def _group_info(group) -> Tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    if group is not None:
+        raise MegaMoEError("a process group was given but torch.distributed is not initialized")
+    return 0, 1
+
+
+class SymmBuffer:
+    """One rank's symmetric buffer (identical layout on every rank of ``group``).
+
+    Views the caller fills before each call: ``x`` (fp8 [T, hidden]), ``x_sf`` (f32
+    [T, hidden/128]), ``topk_idx`` (int64 [T, topk], -1 = no expert), ``topk_weights``
+    (f32 [T, topk]).  Keep the object alive while kernels use it.
+    """
+
+    def __init__(
+        self,
+        group,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_topk: int,
+        hidden: int,
+        intermediate: int,
+        *,
+        block_m: int = 64,
+        device: Optional[torch.device] = None,
+    ):
+        self.group = group
+        self.rank, self.world_size = _group_info(group)
+        self.config = BufferConfig(
+            self.world_size,
+            num_max_tokens_per_rank,
+            MoEShape(hidden=hidden, intermediate=intermediate, num_experts=num_experts, num_topk=num_topk),
+            block_m,
+        )
+        self.layout: BufferLayout = build_layout(self.config)
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if self.device.type != "cuda":
+            raise MegaMoEError(f"SymmBuffer needs a CUDA device, got {self.device}")
+        nbytes = self.layout.total_bytes
+        self.handle = None
+        if self.world_size == 1:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            ptrs = [self.buffer.data_ptr()]
+        else:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            group_obj = group if group is not None else dist.group.WORLD
+            self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.handle = symm_mem.rendezvous(self.buffer, group_obj)
+            ptrs = list(self.handle.buffer_ptrs)
+        self.peer_deltas = [int(ptr) - int(ptrs[self.rank]) for ptr in ptrs]
+        # Counters start at zero once; the kernel returns them to zero after every call.
+        self.buffer[: workspace_bytes(self.layout)].zero_()
+        self.diag = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+        torch.cuda.synchronize(self.device)
+        if self.world_size > 1:
+            dist.barrier(group=group)
+        self.x = self.view("x")
+        self.x_sf = self.view("x_sf")
+        self.topk_idx = self.view("topk_idx")
+        self.topk_weights = self.view("topk_weights")
+
+    def view(self, name: str) -> torch.Tensor:
+        seg = self.layout.segment(name)
+        flat = self.buffer[seg.offset : seg.offset + seg.nbytes]
+        dtype = _TORCH_DTYPES[seg.dtype]
+        return flat.view(dtype).view(*seg.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_bytes
+
+    def diagnostic(self) -> Optional[str]:
+        """The kernel's failure record, if a launch on this buffer failed (readable after a trap)."""
+        raw = self.diag.numpy().tobytes()
+        magic, rank, phase, cta, thread, index = struct.unpack_from("<6I", raw, 0)
+        expected, observed = struct.unpack_from("<2Q", raw, 24)
+        if magic != _DIAG_MAGIC:
+            return None
+        what = _PHASES.get(phase, f"phase {phase}")
+        return (
+            f"megamoe kernel failed on rank {rank}: {what}; CTA {cta}, thread {thread}, index {index}: "
+            f"expected {expected}, observed {observed}"
+        )
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Weights in the layout the kernel reads."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+def transform_weights_for_mega_moe(
+    l1: Tuple[torch.Tensor, torch.Tensor], l2: Tuple[torch.Tensor, torch.Tensor]
+) -> Tuple[ExpertWeights, ExpertWeights]:
+    """One-time re-layout of FP8 expert weights and their 128x128 scales.
+
+    L1 ``[E, 2I, H]`` (gate rows then up rows) becomes gate/up interleaved by 8 rows, so one
+    accumulator fragment holds matching gate and up columns; its scales become
+    ``[E, 2I/128, H/128, 2]``: for each interleaved 128-row block, the scale of its 64 gate
+    rows and of its 64 up rows.  L2 ``[E, H, I]`` and its scales ``[E, H/128, I/128]`` are kept.
+    """
+    w1, w1_sf = l1
+    w2, w2_sf = l2
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise MegaMoEError(f"expected 3-D expert weights, got w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}")
+    e, two_i, h = w1.shape
+    i = two_i // 2
+    if two_i % 256 or h % 128:
+        raise MegaMoEError(f"w1 must be [E, 2*I, H] with I and H multiples of 128, got {tuple(w1.shape)}")
+    if tuple(w2.shape) != (e, h, i):
+        raise MegaMoEError(f"w2 must be [E, H, I] = {(e, h, i)}, got {tuple(w2.shape)}")
+    if tuple(w1_sf.shape) != (e, two_i // 128, h // 128):
+        raise MegaMoEError(f"w1 scales must be {(e, two_i // 128, h // 128)}, got {tuple(w1_sf.shape)}")
+    if tuple(w2_sf.shape) != (e, h // 128, i // 128):
+        raise MegaMoEError(f"w2 scales must be {(e, h // 128, i // 128)}, got {tuple(w2_sf.shape)}")
+    for name, t, dtype in (("w1", w1, torch.float8_e4m3fn), ("w2", w2, torch.float8_e4m3fn),
+                           ("w1 scales", w1_sf, torch.float32), ("w2 scales", w2_sf, torch.float32)):
+        if t.dtype != dtype:
+            raise MegaMoEError(f"{name} must be {dtype}, got {t.dtype}")
+    w1_t = w1.view(torch.uint8).view(e, 2, i // 8, 8, h).permute(0, 2, 1, 3, 4).reshape(e, two_i, h)
+    w1_t = w1_t.contiguous().view(torch.float8_e4m3fn)
+    gate_sf = w1_sf[:, : i // 128].repeat_interleave(2, dim=1)
+    up_sf = w1_sf[:, i // 128 :].repeat_interleave(2, dim=1)
+    w1_sf_t = torch.stack([gate_sf, up_sf], dim=-1).contiguous()
+    return ExpertWeights(w1_t, w1_sf_t), ExpertWeights(w2.contiguous(), w2_sf.contiguous())
+
+
+class _Kernel:
+    """A built, loaded variant."""
+
+    def __init__(self, variant: Variant, device: torch.device):
+        from .jit import KernelSource, build, load_module
+
+        source = KernelSource(name=variant.name, source=generate_source(variant), include_dirs=(str(csrc_dir()),))
+        (built,) = build([source])
+        if built.report.has_spills:
+            raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
+        self.variant = variant
+        self.smem_bytes = smem_bytes(variant)
+        self.function = load_module(built.cubin_path, device.index).get_function(KERNEL_NAME)
+        self.function.set_max_dynamic_smem(self.smem_bytes)
+
+
+_KERNELS: Dict[Tuple[Variant, int], _Kernel] = {}
+
+
+def get_kernel(variant: Variant, device: torch.device) -> _Kernel:
+    key = (variant, device.index)
+    if key not in _KERNELS:
+        _KERNELS[key] = _Kernel(variant, device)
+    return _KERNELS[key]
+
+
+def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise MegaMoEError(f"mega_moe: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise MegaMoEError(f"mega_moe: {name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise MegaMoEError(f"mega_moe: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise MegaMoEError(f"mega_moe: {name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise MegaMoEError(f"mega_moe: {name} must be contiguous")
+
+
+def _tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m: int) -> Dict[str, bytes]:
+    from .jit import encode_tensor_map_2d
+
+    cfg = buf.config
+    s = cfg.shape
+    P = cfg.num_max_pool_tokens
+    e_local = cfg.num_experts_per_rank
+    base = buf.buffer.data_ptr()
+    off = buf.layout.offsets()
+    return {
+        "tmap_l1_a": encode_tensor_map_2d("u8", base + off["l1_pool"], (s.hidden, P), s.hidden, (128, block_m), "128b", name="l1_pool"),
+        "tmap_l1_sfa": encode_tensor_map_2d("f32", base + off["l1_pool_sf"], (P, s.hidden // 128), P * 4, (block_m, 1), "none", name="l1_pool_sf"),
+        "tmap_l1_b": encode_tensor_map_2d("u8", l1.weight.data_ptr(), (s.hidden, e_local * 2 * s.intermediate), s.hidden, (128, 256), "128b", name="w1"),
+        "tmap_l2_a": encode_tensor_map_2d("u8", base + off["l2_pool"], (s.intermediate, P), s.intermediate, (128, block_m), "128b", name="l2_pool"),
+        "tmap_l2_sfa": encode_tensor_map_2d("f32", base + off["l2_pool_sf"], (P, s.intermediate // 128), P * 4, (block_m, 1), "none", name="l2_pool_sf"),
+        "tmap_l2_b": encode_tensor_map_2d("u8", l2.weight.data_ptr(), (s.intermediate, e_local * s.hidden), s.intermediate, (128, 256), "128b", name="w2"),
+    }
+
+
+_LAUNCH_CACHE: Dict[tuple, Tuple[Dict[str, bytes], "_Kernel"]] = {}
+
+
+def timeout_ns() -> int:
+    raw = os.environ.get(ENV_TIMEOUT)
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise MegaMoEError(f"{ENV_TIMEOUT} must be a number of seconds, got {raw!r}") from None
+    if seconds <= 0:
+        raise MegaMoEError(f"{ENV_TIMEOUT} must be positive, got {raw!r}")
+    return int(seconds * 1e9)
+
+
+def mega_moe(
+    y: torch.Tensor,
+    l1: ExpertWeights,
+    l2: ExpertWeights,
+    buf: SymmBuffer,
+    *,
+    config: Optional[KernelConfig] = None,
+) -> torch.Tensor:
+    """Run the fused layer for ``y.shape[0]`` tokens (this rank's count; may differ per rank, may be 0).
+
+    Every rank of the buffer's group must call it in the same order.  Inputs are read from the
+    buffer's views; ``y`` receives the combined output.
+    """
+    if not isinstance(buf, SymmBuffer):
+        raise MegaMoEError(f"mega_moe: buf must be a SymmBuffer, got {type(buf).__name__}")
+    cfg = buf.config
+    s = cfg.shape
+    e_local = cfg.num_experts_per_rank
+    config = config or KernelConfig(block_m=cfg.block_m)
+    variant = variant_for(cfg, config)
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise MegaMoEError(f"mega_moe: y must be a 2-D [num_tokens, {s.hidden}] tensor, got {getattr(y, 'shape', y)!r}")
+    num_tokens = y.shape[0]
+    if num_tokens > cfg.num_max_tokens_per_rank:
+        raise MegaMoEError(
+            f"mega_moe: num_tokens={num_tokens} exceeds the buffer's num_max_tokens_per_rank={cfg.num_max_tokens_per_rank}"
+        )
+    device = buf.device
+    _check_tensor("y", y, torch.bfloat16, (num_tokens, s.hidden), device)
+    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
+        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
+    _check_tensor("l1 weight", l1.weight, torch.float8_e4m3fn, (e_local, 2 * s.intermediate, s.hidden), device)
+    _check_tensor("l1 scales", l1.scale, torch.float32, (e_local, 2 * s.intermediate // 128, s.hidden // 128, 2), device)
+    _check_tensor("l2 weight", l2.weight, torch.float8_e4m3fn, (e_local, s.hidden, s.intermediate), device)
+    _check_tensor("l2 scales", l2.scale, torch.float32, (e_local, s.hidden // 128, s.intermediate // 128), device)
+
+    key = (id(buf), buf.buffer.data_ptr(), l1.weight.data_ptr(), l1.scale.data_ptr(), l2.weight.data_ptr(),
+           l2.scale.data_ptr(), variant)
+    cached = _LAUNCH_CACHE.get(key)
+    if cached is None:
+        cached = (_tensor_maps(buf, l1, l2, cfg.block_m), get_kernel(variant, device))
+        _LAUNCH_CACHE[key] = cached
+    tmaps, kernel = cached
+    params = pack_params(
+        tmaps,
+        buf.buffer.data_ptr(),
+        buf.peer_deltas,
+        buf.layout,
+        {
+            "w1_sf": l1.scale.data_ptr(),
+            "w2_sf": l2.scale.data_ptr(),
+            "y": y.data_ptr(),
+            "num_tokens": num_tokens,
+            "rank": buf.rank,
+            "num_max_pool_tokens": cfg.num_max_pool_tokens,
+            "timeout_ns": timeout_ns(),
+            "diag": buf.diag.data_ptr(),
+        },
+    )
+    num_sms = config.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+    kernel.function.launch(
+        (num_sms, 1, 1), (NUM_THREADS, 1, 1), kernel.smem_bytes, torch.cuda.current_stream(device).cuda_stream, params
+    )
+    return y
+
+
+def synchronize(buf: SymmBuffer) -> None:
+    """Wait for the device; turn a kernel failure into an error carrying the kernel's diagnostic."""
+    try:
+        torch.cuda.synchronize(buf.device)
+    except RuntimeError as exc:
+        message = buf.diagnostic()
+        if message is not None:
+            raise MegaMoETimeout(message) from exc
+        raise
+
+
+class _FusedRunner:
+    def __init__(self, problem, group, config: dict):
+        kernel_cfg = KernelConfig(
+            block_m=int(config.get("block_m") or 64),
+            num_stages=int(config.get("num_stages") or 4),
+            num_sms=int(config.get("num_sms") or 0),
+        )
+        kernel_cfg.validate()
+        s = problem.shape
+        key = (id(group), s, problem.num_max_tokens_per_rank, kernel_cfg.block_m)
+        buf = _BUFFERS.get(key)
+        if buf is None:
+            _BUFFERS.clear()
+            torch.cuda.empty_cache()
+            buf = SymmBuffer(group, s.num_experts, problem.num_max_tokens_per_rank, s.num_topk, s.hidden,
+                             s.intermediate, block_m=kernel_cfg.block_m)
+            _BUFFERS[key] = buf
+        self.buf = buf
+        self.problem = problem
+        self.kernel_cfg = kernel_cfg
+        self.l1, self.l2 = transform_weights_for_mega_moe((problem.w1, problem.w1_sf), (problem.w2, problem.w2_sf))
+        n = problem.num_tokens
+        self.y = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=buf.device)
+        self.config = {"backend": "fused", **kernel_cfg.to_dict()}
+
+    def __call__(self) -> torch.Tensor:
+        p, buf, n = self.problem, self.buf, self.problem.num_tokens
+        if n:
+            buf.x[:n].copy_(p.x)
+            buf.x_sf[:n].copy_(p.x_sf)
+            buf.topk_idx[:n].copy_(p.topk_idx)
+            buf.topk_weights[:n].copy_(p.topk_weights)
+        return mega_moe(self.y, self.l1, self.l2, buf, config=self.kernel_cfg)
+
+
+_BUFFERS: Dict[tuple, SymmBuffer] = {}
+
+
+class FusedBackend:
+    """Backend contract (docs/INTERFACES.md) for the fused kernel."""
+
+    name = "fused"
+
+    def prepare(self, problem, group, config: Optional[dict] = None):
+        if not torch.cuda.is_available():
+            raise MegaMoEError("the fused backend needs a CUDA GPU (sm_90a)")
+        return _FusedRunner(problem, group, dict(config or {}))

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
+# test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
+#   scripts/device_run.sh quick|full|bench [bench args...]
+set -uo pipefail
+MODE=${1:-quick}
+shift || true
+OUT=${OUT:-/tmp/megamoe-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MEGAMOE_CACHE_DIR=${MEGAMOE_CACHE_DIR:-/tmp/megamoe-jit} MEGAMOE_TIMEOUT_S=${MEGAMOE_TIMEOUT_S:-20}
+NGPU=$(nvidia-smi -L | wc -l)
+{
+  date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -5
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+} 2>&1 | tee "$OUT/env.txt"
+
+run() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name rc=$rc"
+}
+
+case "$MODE" in
+  quick|full)
+    [ "$MODE" = quick ] && export MEGAMOE_GPU_QUICK=1
+    run gpu_ws1 300 python3 -m pytest tests/gpu -x -q -s -p no:cacheprovider
+    if [ "$NGPU" -gt 1 ]; then
+      run gpu_wsN 400 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu -x -q -s -p no:cacheprovider
+    fi
+    ;;
+  bench)
+    run bench 500 python3 -m megamoe_cli bench "$@"
+    ;;
+  *)
+    echo "unknown mode $MODE"; exit 2 ;;
+esac

@@ -1,0 +1,153 @@
+"""The fused kernel against the quantization-aware reference, on fresh random inputs."""
+
+import os
+
+import pytest
+import torch
+
+from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.fused import FusedBackend, SymmBuffer, mega_moe, synchronize, transform_weights_for_mega_moe
+from megamoe_cli.layout import PRESETS, MoEShape
+from megamoe_cli.problem import make_problem
+from megamoe_cli.reference import moe_reference_distributed
+
+
+pytestmark = pytest.mark.gpu
+
+QUICK = os.environ.get("MEGAMOE_GPU_QUICK") == "1"
+SMALL = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)
+SHAPES = {"small": SMALL, "deepseek-v3": PRESETS["deepseek-v3"], "seed-default": PRESETS["seed-default"]}
+TOKENS = (1, 7, 128, 1000, 4096)
+MAX_REL_ERR = 2e-2
+
+
+def rank_and_world(group):
+    import torch.distributed as dist
+
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shared_seed(group) -> int:
+    """A fresh random seed, identical on every rank."""
+    import torch.distributed as dist
+
+    seed = torch.randint(0, 2**31 - 1, (1,), device="cuda")
+    if group is not None:
+        dist.broadcast(seed, src=0, group=group)
+    return int(seed.item())
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (out.double() - ref.double()).norm()
+    return float(diff / ref.double().norm().clamp_min(1e-30))
+
+
+def run_fused(problem, group, config=None):
+    runner = FusedBackend().prepare(problem, group, config or {})
+    runner.y.fill_(float("nan"))
+    y = runner()
+    synchronize(runner.buf)
+    return runner, y.clone()
+
+
+def check_against_reference(problem, group, y):
+    ref = moe_reference_distributed(problem, group)
+    assert y.shape == ref.shape
+    assert torch.isfinite(y).all(), "fused output has NaN/Inf (unwritten rows?)"
+    err = rel_err(y, ref) if problem.num_tokens else 0.0
+    errs = torch.tensor([err], device="cuda")
+    if group is not None:
+        torch.distributed.all_reduce(errs, op=torch.distributed.ReduceOp.MAX, group=group)
+    print(f"rel_err={errs.item():.3e}")
+    assert errs.item() < MAX_REL_ERR
+    return errs.item()
+
+
+def shape_cases():
+    if QUICK:
+        return [("small", 1), ("small", 128), ("small", 1000), ("deepseek-v3", 128)]
+    cases = [(name, t) for name in SHAPES for t in TOKENS]
+    return cases
+
+
+@pytest.mark.parametrize("shape_name,num_tokens", shape_cases())
+def test_matches_reference(group, shape_name, num_tokens):
+    rank, world = rank_and_world(group)
+    shape = SHAPES[shape_name]
+    problem = make_problem(shape, rank, world, num_tokens, num_tokens, "cuda", shared_seed(group))
+    _, y = run_fused(problem, group)
+    check_against_reference(problem, group, y)
+
+
+@pytest.mark.parametrize("routing", ["with_invalid", "one_expert", "imbalanced"])
+def test_routing_edge_cases(group, routing):
+    rank, world = rank_and_world(group)
+    problem = make_problem(SMALL, rank, world, 200, 256, "cuda", shared_seed(group), routing=routing)
+    _, y = run_fused(problem, group)
+    check_against_reference(problem, group, y)
+
+
+def test_uneven_and_empty_ranks(group):
+    rank, world = rank_and_world(group)
+    seed = shared_seed(group)
+    for num_tokens in ((0 if rank == world - 1 else 37 + 50 * rank), 0, 5 + 100 * rank):
+        problem = make_problem(SMALL, rank, world, num_tokens, 300, "cuda", seed)
+        _, y = run_fused(problem, group)
+        check_against_reference(problem, group, y)
+
+
+def test_back_to_back_graph_and_bitwise(group):
+    rank, world = rank_and_world(group)
+    problem = make_problem(SMALL, rank, world, 96, 128, "cuda", shared_seed(group))
+    runner, first = run_fused(problem, group)
+    check_against_reference(problem, group, first)
+    for _ in range(100):
+        runner()
+    synchronize(runner.buf)
+    assert torch.equal(runner.y, first), "100 back-to-back calls changed the result"
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        runner()
+        synchronize(runner.buf)
+        with torch.cuda.graph(graph, stream=stream):
+            runner()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(10):
+        runner.y.fill_(float("nan"))
+        graph.replay()
+        synchronize(runner.buf)
+        assert torch.equal(runner.y, first), "CUDA-graph replay differs from the eager result"
+
+
+def test_changing_routing_between_calls(group):
+    rank, world = rank_and_world(group)
+    seed = shared_seed(group)
+    for i, routing in enumerate(["random", "imbalanced", "with_invalid", "one_expert", "random"]):
+        problem = make_problem(SMALL, rank, world, 64 + 17 * i, 256, "cuda", seed + i, routing=routing)
+        _, y = run_fused(problem, group)
+        check_against_reference(problem, group, y)
+
+
+def test_validation_errors(group):
+    rank, world = rank_and_world(group)
+    problem = make_problem(SMALL, rank, world, 8, 16, "cuda", 1)
+    runner = FusedBackend().prepare(problem, group, {})
+    l1, l2, buf = runner.l1, runner.l2, runner.buf
+    with pytest.raises(MegaMoEError, match="exceeds"):
+        mega_moe(torch.empty(17, SMALL.hidden, dtype=torch.bfloat16, device="cuda"), l1, l2, buf)
+    with pytest.raises(MegaMoEError, match="bfloat16"):
+        mega_moe(torch.empty(8, SMALL.hidden, dtype=torch.float32, device="cuda"), l1, l2, buf)
+    with pytest.raises(MegaMoEError, match="shape"):
+        mega_moe(torch.empty(8, SMALL.hidden + 128, dtype=torch.bfloat16, device="cuda"), l1, l2, buf)
+    with pytest.raises(MegaMoEError, match="contiguous"):
+        y = torch.empty(SMALL.hidden, 8, dtype=torch.bfloat16, device="cuda").t()
+        mega_moe(y, l1, l2, buf)
+    with pytest.raises(MegaMoEError, match="transform_weights_for_mega_moe"):
+        mega_moe(torch.empty(8, SMALL.hidden, dtype=torch.bfloat16, device="cuda"), (problem.w1, problem.w1_sf), l2, buf)
+    with pytest.raises(MegaMoEError, match="w2 must be"):
+        transform_weights_for_mega_moe((problem.w1, problem.w1_sf), (problem.w2[:, :128], problem.w2_sf))
