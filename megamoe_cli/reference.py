@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .errors import MegaMoEError
 from .layout import MoEShape
 from .problem import Problem
-from .quant import FP8_DTYPE, dequantize_per_block, dequantize_per_token, quantize_per_token
+from .quant import BLOCK, FP8_DTYPE, dequantize_per_block, dequantize_per_token, quantize_per_token
 
 # Rows of one expert expanded to FP64 at once (4096 x 7168 x 8 B = 235 MB).
 ROW_CHUNK = 4096
@@ -73,6 +73,13 @@ def _dequantize_expert(
     return dequantize_per_block(w1[e], w1_sf[e]).double(), dequantize_per_block(w2[e], w2_sf[e]).double()
 
 
+def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]`` along dim 0; FP8 rows move as bytes (not every build indexes FP8 on CUDA)."""
+    if t.dtype == FP8_DTYPE:
+        return t.view(torch.uint8)[idx].view(FP8_DTYPE)
+    return t[idx]
+
+
 def _expert_rows(
     x: torch.Tensor, x_sf: torch.Tensor, weights: torch.Tensor, w1_64: torch.Tensor, w2_64: torch.Tensor
 ) -> torch.Tensor:
@@ -91,7 +98,7 @@ def _expert_rows(
     return out
 
 
-def _combine_slots(slots: torch.Tensor) -> torch.Tensor:
+def combine_slots(slots: torch.Tensor) -> torch.Tensor:
     """``slots [T, topk, H]`` bf16 (zeros where the slot is -1) -> FP32 slot-order sum -> bf16 ``y``.
 
     Adding an empty slot's +0.0 leaves the FP32 sum unchanged, so this equals
@@ -103,7 +110,7 @@ def _combine_slots(slots: torch.Tensor) -> torch.Tensor:
     return acc.bfloat16()
 
 
-def _pairs_by_expert(topk_idx: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def pairs_by_expert(topk_idx: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Valid flat pair ids ``token*topk + k`` sorted by expert (stable), and counts per expert [E]."""
     flat = topk_idx.reshape(-1)
     pairs = torch.nonzero(flat >= 0).squeeze(1)
@@ -164,7 +171,7 @@ def moe_reference(
     """Single process, all experts local, rows grouped by expert: bf16 ``y [num_tokens, hidden]``."""
     p = _problem_from_args("moe_reference", x, x_sf, topk_idx, topk_weights, w1, w1_sf, w2, w2_sf)
     T, K, H = p.num_tokens, p.shape.num_topk, p.shape.hidden
-    pairs, counts = _pairs_by_expert(topk_idx, p.shape.num_experts)
+    pairs, counts = pairs_by_expert(topk_idx, p.shape.num_experts)
     flat_weights = topk_weights.reshape(-1)
     slots = torch.zeros(T * K, H, dtype=torch.bfloat16, device=x.device)
     start = 0
@@ -175,8 +182,8 @@ def moe_reference(
         start += n
         tokens = ids // K
         w1_64, w2_64 = _dequantize_expert(w1, w1_sf, w2, w2_sf, e)
-        slots[ids] = _expert_rows(x[tokens], x_sf[tokens], flat_weights[ids], w1_64, w2_64)
-    return _combine_slots(slots.view(T, K, H))
+        slots[ids] = _expert_rows(gather_rows(x, tokens), x_sf[tokens], flat_weights[ids], w1_64, w2_64)
+    return combine_slots(slots.view(T, K, H))
 
 
 # ---------------------------------------------------------------------------
@@ -271,16 +278,16 @@ def moe_reference_distributed(problem: Problem, group=None) -> torch.Tensor:
     dev = problem.device
 
     # Dispatch: pairs sorted by expert are also sorted by destination rank.
-    pairs, counts = _pairs_by_expert(problem.topk_idx, problem.shape.num_experts)
+    pairs, counts = pairs_by_expert(problem.topk_idx, problem.shape.num_experts)
     recv_counts = exchange_counts(counts, R, group)
     send_splits = counts.view(R, E_local).sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
     tokens = pairs // K
     send = pack_rows(
-        problem.x[tokens], problem.x_sf[tokens], problem.topk_weights.reshape(-1)[pairs].unsqueeze(1)
+        gather_rows(problem.x, tokens), problem.x_sf[tokens], problem.topk_weights.reshape(-1)[pairs].unsqueeze(1)
     )
     recv = all_to_all_rows(send, send_splits, recv_splits, group)
-    x_q, x_sf, weights = unpack_rows(recv, (FP8_DTYPE, H), (torch.float32, H // 128), (torch.float32, 1))
+    x_q, x_sf, weights = unpack_rows(recv, (FP8_DTYPE, H), (torch.float32, H // BLOCK), (torch.float32, 1))
     weights = weights.squeeze(1)
 
     # Local experts: received rows are source-major, expert-sorted within each source.
@@ -296,13 +303,13 @@ def moe_reference_distributed(problem: Problem, group=None) -> torch.Tensor:
         rows = order[start : start + n]
         start += n
         w1_64, w2_64 = _dequantize_expert(problem.w1, problem.w1_sf, problem.w2, problem.w2_sf, e)
-        out[rows] = _expert_rows(x_q[rows], x_sf[rows], weights[rows], w1_64, w2_64)
+        out[rows] = _expert_rows(gather_rows(x_q, rows), x_sf[rows], weights[rows], w1_64, w2_64)
 
     # Combine: rows come back in the order this rank sent them.
     back = all_to_all_rows(out.view(torch.uint8), recv_splits, send_splits, group).view(torch.bfloat16)
     slots = torch.zeros(T * K, H, dtype=torch.bfloat16, device=dev)
     slots[pairs] = back
-    return _combine_slots(slots.view(T, K, H))
+    return combine_slots(slots.view(T, K, H))
 
 
 class _ReferenceRunner:

@@ -75,7 +75,7 @@ def test_reference_matches_independent_numpy():
     assert _rel(y.float(), exact) < 4e-3
     # Without requantizing the activation the result moves by FP8 error, not more.
     unquantized = _numpy_moe(*_args(p), requantize=False)
-    assert 1e-3 < _rel(y.float(), unquantized) < 5e-2
+    assert 1e-2 < _rel(y.float(), unquantized) < 4e-2
 
 
 def test_empty_slots_and_weights():

@@ -1,0 +1,128 @@
+"""The unfused PyTorch baseline against the quantization-aware reference (CPU, gloo)."""
+
+import pytest
+import torch
+
+from megamoe_cli.baseline import TorchBackend
+from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.layout import MoEShape
+from megamoe_cli.problem import make_expert_weights, make_problem
+from megamoe_cli.reference import moe_reference
+
+SHAPE = MoEShape(hidden=256, intermediate=128, num_experts=8, num_topk=3)
+
+# FP8 mode follows the recipe (FP32 L1 output, FP8 requantized activation); on
+# CPU its operands are dequantized to FP32, so only FP32 summation order (and the
+# rare FP8 rounding it flips) separates it from the reference.
+FP8_TOL = 2e-3
+# BF16 mode keeps the activation in BF16, so it differs by the FP8 rounding of
+# the activation that the reference applies (~2%).
+BF16_TOL = 4e-2
+
+
+def _args(p):
+    return (p.x, p.x_sf, p.topk_idx, p.topk_weights, p.w1, p.w1_sf, p.w2, p.w2_sf)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype, gemm, tol", [("fp8", "dequant", FP8_TOL), ("bf16", "loop", BF16_TOL)])
+def test_single_process_matches_reference(dtype, gemm, tol):
+    p = make_problem(SHAPE, 0, 1, 24, 32, "cpu", seed=13, routing="with_invalid")
+    p.topk_idx[5] = -1
+    p.topk_weights[5] = 0.0
+    runner = TorchBackend(dtype).prepare(p, None, {})
+    assert runner.config["dtype"] == dtype and runner.config["gemm"] == gemm
+    assert runner.config["dispatch"] == "local"
+    y = runner()
+    assert y.dtype == torch.bfloat16 and y.shape == (24, 256)
+    ref = moe_reference(*_args(p))
+    assert ref.float().abs().max() > 0.05
+    assert _rel(y, ref) < tol
+    assert torch.equal(y[5], torch.zeros_like(y[5]))
+    assert torch.equal(runner(), y)  # a runner is reusable and deterministic
+
+
+def test_fp8_follows_the_recipe_more_closely_than_bf16():
+    p = make_problem(SHAPE, 0, 1, 40, 40, "cpu", seed=17)
+    ref = moe_reference(*_args(p))
+    err_fp8 = _rel(TorchBackend("fp8").prepare(p)(), ref)
+    err_bf16 = _rel(TorchBackend("bf16").prepare(p)(), ref)
+    assert err_fp8 < err_bf16 / 2
+    assert err_bf16 > 5e-3  # the missing activation requantization is visible
+
+
+def test_bf16_grouped_mm_matches_loop():
+    p = make_problem(SHAPE, 0, 1, 30, 30, "cpu", seed=19, routing="imbalanced")
+    try:
+        grouped = TorchBackend("bf16").prepare(p, None, {"gemm": "grouped_mm"})
+    except MegaMoEError as exc:
+        pytest.skip(f"torch._grouped_mm unusable on this CPU build: {exc}")
+    assert grouped.config["gemm"] == "grouped_mm"
+    loop = TorchBackend("bf16").prepare(p, None, {"gemm": "loop"})
+    y_grouped, y_loop = grouped(), loop()
+    assert _rel(y_grouped, y_loop) < 1e-2
+    assert _rel(y_grouped, moe_reference(*_args(p))) < BF16_TOL
+
+
+def test_backend_names_and_config_errors():
+    assert TorchBackend("fp8").name == "torch" and TorchBackend("bf16").name == "torch-bf16"
+    with pytest.raises(MegaMoEError, match=r"dtype must be one of fp8, bf16, got 'fp16'"):
+        TorchBackend("fp16")
+    p = make_problem(SHAPE, 0, 1, 4, 4, "cpu", seed=1)
+    with pytest.raises(MegaMoEError, match=r"'torch' takes config keys gemm, got block_m"):
+        TorchBackend("fp8").prepare(p, None, {"block_m": 64})
+    with pytest.raises(MegaMoEError, match=r"gemm must be one of auto, grouped_mm, loop, got 'scaled_mm'"):
+        TorchBackend("bf16").prepare(p, None, {"gemm": "scaled_mm"})
+    with pytest.raises(MegaMoEError, match=r"gemm='scaled_mm' does not work here \(.*CUDA"):
+        TorchBackend("fp8").prepare(p, None, {"gemm": "scaled_mm"})
+    runner = TorchBackend("fp8").prepare(p, None, {"gemm": "auto"})
+    assert runner.config["gemm"] == "dequant" and "CUDA" in runner.config["gemm_fallback_reason"]
+
+
+def test_distributed_problem_needs_a_group():
+    p = make_problem(SHAPE, 0, 2, 4, 4, "cpu", seed=1)
+    with pytest.raises(MegaMoEError, match=r"world_size=2 needs an initialized torch.distributed process group"):
+        TorchBackend("fp8").prepare(p, None, {})
+
+
+# name -> (shape, tokens per rank, seed, routing)
+SCENARIOS = {
+    "uneven": (SHAPE, [6, 13], 51, "random"),
+    "zero_tokens_invalid": (SHAPE, [0, 10], 52, "with_invalid"),
+    "one_expert": (MoEShape(hidden=128, intermediate=256, num_experts=4, num_topk=2), [5, 3], 53, "one_expert"),
+}
+
+
+def _dist_worker(rank, world_size, scenarios):
+    out = {}
+    for name, (shape, tokens, seed, routing) in scenarios.items():
+        p = make_problem(shape, rank, world_size, tokens[rank], max(tokens), "cpu", seed, routing)
+        for dtype in ("fp8", "bf16"):
+            runner = TorchBackend(dtype).prepare(p, None, {})
+            out[f"{name}/{dtype}"] = runner()
+            out[f"{name}/{dtype}/config"] = dict(runner.config)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dist_results(run_gloo):
+    return run_gloo(2, _dist_worker, SCENARIOS)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("dtype, tol", [("fp8", FP8_TOL), ("bf16", BF16_TOL)])
+def test_distributed_matches_reference(dist_results, name, dtype, tol):
+    shape, tokens, seed, routing = SCENARIOS[name]
+    parts = [make_problem(shape, r, 2, t, max(tokens), "cpu", seed, routing) for r, t in enumerate(tokens)]
+    cat = [torch.cat([getattr(p, f) for p in parts]) for f in ("x", "x_sf", "topk_idx", "topk_weights")]
+    ref = moe_reference(*cat, *make_expert_weights(shape, 0, shape.num_experts, "cpu", seed))
+    y = torch.cat([dist_results[r][f"{name}/{dtype}"] for r in range(2)])
+    assert y.shape == ref.shape
+    assert _rel(y, ref) < tol
+    for r in range(2):
+        config = dist_results[r][f"{name}/{dtype}/config"]
+        assert config["dtype"] == dtype and config["dispatch"] == "all_to_all_single"
