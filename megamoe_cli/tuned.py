@@ -20,11 +20,9 @@ interrupted write leaves the previous file intact.
 
 from __future__ import annotations
 
-import datetime as _dt
 import fcntl
 import json
 import os
-import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,31 +89,20 @@ def make_key(
     )
 
 
-def current_commit() -> str:
-    """The git commit of the source tree this package runs from, or ``"unknown"``."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-
-
 def make_entry(
     key: TunedKey,
     config: Mapping[str, object],
     time_us: float,
     default_time_us: float,
     *,
-    date: Optional[str] = None,
-    commit: Optional[str] = None,
+    date: str,
+    commit: str,
 ) -> dict:
-    """One store entry: the winning ``config`` and the evidence (slowest-rank median times)."""
+    """One store entry: the winning ``config`` and the evidence (slowest-rank median times).
+
+    ``date`` and ``commit`` say when and from which source the times were measured (the bench
+    harness has both: ``bench.envinfo.utc_now()`` and ``git_info()["git_commit"]``).
+    """
     if time_us <= 0 or default_time_us <= 0:
         raise MegaMoEError(
             f"tuned times must be positive, got time_us={time_us!r} default_time_us={default_time_us!r}"
@@ -126,8 +113,8 @@ def make_entry(
         "time_us": float(time_us),
         "default_time_us": float(default_time_us),
         "speedup": float(default_time_us) / float(time_us),
-        "date": date or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit or current_commit(),
+        "date": date,
+        "commit": commit,
     }
 
 

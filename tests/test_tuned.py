@@ -63,9 +63,10 @@ def test_entry_records_evidence():
     entry = _entry(DSV3, 128, {"num_stages": 6}, time_us=80.0, default_time_us=120.0)
     assert entry["speedup"] == pytest.approx(1.5)
     assert entry["time_us"] == 80.0 and entry["default_time_us"] == 120.0
-    assert entry["date"] and entry["commit"] == "abc123"
-    fresh = tuned.make_entry(tuned.make_key("H200", 8, DSV3, 128), {}, 1.0, 2.0)
-    assert fresh["date"].startswith("20") and fresh["commit"]
+    assert entry["date"] == "2026-01-01T00:00:00+00:00" and entry["commit"] == "abc123"
+    assert entry["key"]["token_bucket"] == 128
+    with pytest.raises(MegaMoEError, match="must be positive"):
+        tuned.make_entry(tuned.make_key("H200", 8, DSV3, 128), {}, 0.0, 2.0, date="d", commit="c")
 
 
 def test_missing_store_is_empty(store):
@@ -115,7 +116,7 @@ def test_crash_between_temp_write_and_replace_leaves_old_file(store):
 
         os.replace = die
         key = tuned.make_key("H200", 8, PRESETS["deepseek-v3"], 128)
-        tuned.merge_and_save([tuned.make_entry(key, {"num_stages": 7}, 1.0, 2.0, commit="x")])
+        tuned.merge_and_save([tuned.make_entry(key, {"num_stages": 7}, 1.0, 2.0, date="d", commit="x")])
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], env=os.environ.copy(), timeout=120)
