@@ -346,15 +346,33 @@ def synchronize(buf: SymmBuffer) -> None:
         raise
 
 
+def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: int, config: dict) -> Tuple[KernelConfig, str]:
+    """Keys given in ``config`` win; the rest come from the tuned store or the analytic default.
+
+    Chosen from ``num_max_tokens_per_rank`` (identical on every rank), never from one rank's
+    token count, so every rank picks the same variant and buffer layout.
+    """
+    from .heuristics import choose_config
+
+    unknown = set(config) - {"block_m", "num_stages", "num_sms"}
+    if unknown:
+        raise MegaMoEError(f"fused backend: unknown config keys {sorted(unknown)}; expected block_m, num_stages, num_sms")
+    gpu = torch.cuda.get_device_name()
+    chosen, source = choose_config(shape, world_size, num_max_tokens_per_rank, gpu)
+    if config:
+        source = "given" if set(config) >= {"block_m", "num_stages"} else f"{source}+given"
+    merged = {**chosen, **{k: v for k, v in config.items() if v is not None}}
+    kernel_cfg = KernelConfig(
+        block_m=int(merged["block_m"]), num_stages=int(merged["num_stages"]), num_sms=int(merged.get("num_sms") or 0)
+    )
+    kernel_cfg.validate()
+    return kernel_cfg, source
+
+
 class _FusedRunner:
     def __init__(self, problem, group, config: dict):
-        kernel_cfg = KernelConfig(
-            block_m=int(config.get("block_m") or 64),
-            num_stages=int(config.get("num_stages") or 4),
-            num_sms=int(config.get("num_sms") or 0),
-        )
-        kernel_cfg.validate()
         s = problem.shape
+        kernel_cfg, source = resolve_config(s, problem.world_size, problem.num_max_tokens_per_rank, config)
         key = (id(group), s, problem.num_max_tokens_per_rank, kernel_cfg.block_m)
         buf = _BUFFERS.get(key)
         if buf is None:
@@ -369,7 +387,7 @@ class _FusedRunner:
         self.l1, self.l2 = transform_weights_for_mega_moe((problem.w1, problem.w1_sf), (problem.w2, problem.w2_sf))
         n = problem.num_tokens
         self.y = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=buf.device)
-        self.config = {"backend": "fused", **kernel_cfg.to_dict()}
+        self.config = {**kernel_cfg.to_dict(), "config_source": source}
 
     def __call__(self) -> torch.Tensor:
         p, buf, n = self.problem, self.buf, self.problem.num_tokens

@@ -13,19 +13,16 @@ from typing import Optional, Tuple
 
 from . import tuned
 from .gpus import gpu_spec
-from .kernel_source import SUPPORTED_BLOCK_M, SUPPORTED_STAGES
+from .kernel_source import MAX_SMEM_BYTES, SUPPORTED_BLOCK_M, SUPPORTED_STAGES, Variant, smem_bytes
 from .layout import MoEShape
 
 DEFAULT_KNOBS = {
     # Rows per pool block (the GEMM's M tile); see _block_m().
     "block_m": SUPPORTED_BLOCK_M[0],
-    # Shared-memory pipeline depth of the TMA -> WGMMA loop: the deepest the kernel is built for
-    # (deeper hides more load latency; tests check it fits Hopper's shared memory for every preset).
+    # Shared-memory pipeline depth of the TMA -> WGMMA loop; see _num_stages().
     "num_stages": max(SUPPORTED_STAGES),
     # SMs the persistent kernel occupies; None = every SM of the device.
     "num_sms": None,
-    # Warps per CTA that pull peer tokens into the L1 pool.
-    "num_dispatch_warps": 4,
 }
 
 
@@ -47,11 +44,24 @@ def _block_m(expected_rows: float) -> int:
     return SUPPORTED_BLOCK_M[-1]
 
 
+def _num_stages(shape: MoEShape, world_size: int, block_m: int) -> int:
+    """The deepest pipeline whose stages fit shared memory: deeper hides more load latency.
+
+    Regimes: block_m 64 stages are 40 KiB (4 fit), block_m 128 stages 48 KiB plus a 64 KiB
+    epilogue staging tile (3 fit), for every preset shape.
+    """
+    for stages in sorted(SUPPORTED_STAGES, reverse=True):
+        if smem_bytes(Variant(shape, world_size, 1, block_m, stages)) <= MAX_SMEM_BYTES:
+            return stages
+    return min(SUPPORTED_STAGES)
+
+
 def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, gpu: str) -> dict:
     """The analytic config for one call shape on one GPU model (no measurement)."""
     gpu_spec(gpu)  # an unknown GPU name is an error here, not a silent default
     config = dict(DEFAULT_KNOBS)
     config["block_m"] = _block_m(expected_tokens_per_expert(shape, world_size, num_tokens_per_rank))
+    config["num_stages"] = _num_stages(shape, world_size, config["block_m"])
     return config
 
 

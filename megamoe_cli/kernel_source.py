@@ -18,7 +18,8 @@ from .layout import BufferConfig, BufferLayout, MoEShape
 
 MAX_RANKS = 8
 BLOCK_N = 256
-SUPPORTED_BLOCK_M = (64,)
+SUPPORTED_BLOCK_M = (64, 128)
+MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4)
 KERNEL_NAME = "megamoe_kernel"
 NUM_THREADS = 384
@@ -80,7 +81,7 @@ class KernelConfig:
     """Tunable launch/compile choices of the fused kernel."""
 
     block_m: int = 64
-    num_stages: int = 4
+    num_stages: int = 3
     num_sms: int = 0  # 0 = every SM of the device
 
     def validate(self) -> None:
@@ -125,6 +126,11 @@ class Variant:
         if self.shape.num_topk > 32:
             raise MegaMoEError(f"the fused kernel supports num_topk <= 32, got {self.shape.num_topk}")
         KernelConfig(block_m=self.block_m, num_stages=self.num_stages).validate()
+        if smem_bytes(self) > MAX_SMEM_BYTES:
+            raise MegaMoEError(
+                f"variant {self.name} needs {smem_bytes(self)} bytes of shared memory, more than the "
+                f"{MAX_SMEM_BYTES} an sm_90 block can have; use fewer stages or a smaller block_m"
+            )
 
 
 def variant_for(config: BufferConfig, kernel: KernelConfig) -> Variant:
@@ -207,7 +213,7 @@ def smem_bytes(variant: Variant) -> int:
     """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
     e_local = variant.shape.num_experts // variant.num_ranks
     stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4)
-    staging = variant.block_m * BLOCK_N * 2 + 2 * variant.block_m * 4
+    staging = variant.block_m * BLOCK_N * 2 + 2 * 64 * 4
     barriers = 16 * variant.num_stages
     schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
     return stages + staging + barriers + schedule + 1024 + 256  # alignment slack

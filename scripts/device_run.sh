@@ -35,7 +35,13 @@ case "$MODE" in
     fi
     ;;
   bench)
-    run bench 500 python3 -m megamoe_cli bench "$@"
+    run bench 500 python3 -m megamoe_cli bench --out "$OUT/bench.csv" "$@"
+    ;;
+  quickbench)
+    export MEGAMOE_GPU_QUICK=1
+    run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu -x -q -s -p no:cacheprovider
+    run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,torch --out "$OUT/bench.csv"
+    run bench_seed 300 python3 -m megamoe_cli bench --preset seed-default --tokens 128,8192 --backend fused,torch --out "$OUT/bench.csv"
     ;;
   *)
     echo "unknown mode $MODE"; exit 2 ;;

@@ -161,18 +161,18 @@ def test_choose_config_falls_back_to_default(store):
     config, source = heuristics.choose_config(DSV3, 8, 128, "H200")
     assert source == "default"
     assert config == heuristics.default_config(DSV3, 8, 128, "H200")
-    assert set(config) >= {"block_m", "num_stages", "num_sms", "num_dispatch_warps"}
+    assert set(config) >= {"block_m", "num_stages", "num_sms"}
     assert config["block_m"] == 64
     assert config["num_sms"] is None
 
 
 def test_choose_config_uses_exact_bucket_only(store):
-    tuned.merge_and_save([_entry(DSV3, 1024, {"num_stages": 6, "num_sms": 128})])
+    tuned.merge_and_save([_entry(DSV3, 1024, {"num_sms": 128})])
     config, source = heuristics.choose_config(DSV3, 8, 1000, "H200")
     assert source == "tuned"
-    assert config["num_stages"] == 6 and config["num_sms"] == 128
+    assert config["num_sms"] == 128
     # Knobs the tuned entry lacks come from the default.
-    assert config["num_dispatch_warps"] == heuristics.DEFAULT_KNOBS["num_dispatch_warps"]
+    assert config["num_stages"] == heuristics.default_config(DSV3, 8, 1000, "H200")["num_stages"]
     assert heuristics.choose_config(DSV3, 8, 1025, "H200")[1] == "default"
     assert heuristics.choose_config(DSV3, 4, 1000, "H200")[1] == "default"
     assert heuristics.choose_config(DSV3, 8, 1000, "H100")[1] == "default"

@@ -22,8 +22,11 @@ constexpr uint32_t kNumStages = MEGAMOE_NUM_STAGES;
 constexpr uint32_t kNumExpertsPerRank = kNumExperts / kNumRanks;
 
 // Tile shape: BLOCK_M pool rows x BLOCK_N output columns, K step 128 (one scale block).
-// Each of the two consumer warpgroups owns one 128-column half of the tile.
+// BLOCK_M = 64: each consumer warpgroup owns one 128-column half of the tile (decode).
+// BLOCK_M = 128: each consumer warpgroup owns 64 rows and both column halves (prefill:
+// half the B traffic per FLOP).
 constexpr uint32_t kBlockM = MEGAMOE_BLOCK_M;
+constexpr uint32_t kNumHalvesPerWg = kBlockM / 64;
 constexpr uint32_t kBlockN = 256;
 constexpr uint32_t kBlockK = 128;
 constexpr uint32_t kWgmmaK = 32;
@@ -40,7 +43,7 @@ constexpr uint32_t kNumL2NTiles = kHidden / kBlockN;
 constexpr uint32_t kNumL1KBlocks = kHidden / kBlockK;
 constexpr uint32_t kNumL2KBlocks = kIntermediate / kBlockK;
 
-static_assert(kBlockM == 64, "the consumer layout assumes one m64 WGMMA row block");
+static_assert(kBlockM == 64 || kBlockM == 128, "block_m must be 64 or 128");
 static_assert(kHidden % kBlockN == 0, "hidden must be a multiple of 256");
 static_assert((2 * kIntermediate) % kBlockN == 0, "intermediate must be a multiple of 128");
 static_assert(kNumExperts % kNumRanks == 0, "experts must divide evenly over ranks");

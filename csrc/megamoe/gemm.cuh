@@ -13,7 +13,7 @@ struct SharedStorage {
     float sfa[kNumStages][kBlockM];
     // Epilogue staging: L1 writes BLOCK_M x 128 fp8, L2 writes BLOCK_M x 256 bf16
     alignas(128) uint8_t staging[kBlockM * kBlockN * sizeof(__nv_bfloat16)];
-    float row_amax[2][kBlockM];
+    float row_amax[2][64];
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
     Schedule schedule;
@@ -91,62 +91,79 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
+// What one consumer warpgroup owns inside a tile: 64 rows starting at `row_base`, and
+// kNumHalvesPerWg 128-column halves (`half(h)` is the tile half of local half h).
+struct WgSlice {
+    uint32_t wg;
+    __device__ __forceinline__ uint32_t row_base() const { return kBlockM == 128 ? 64 * wg : 0; }
+    __device__ __forceinline__ uint32_t half(uint32_t h) const { return kBlockM == 128 ? h : wg; }
+};
+
 // L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
-// per row per 128 channels.  Warpgroup `wg` holds channels [64 wg, 64 wg + 64) of the
-// tile's 128; accumulator column 16c + i is gate channel 8c + i, 16c + 8 + i is up.
-__device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile, const float (&acc)[64],
-                                            uint32_t wg, uint32_t tid) {
+// per row per 128 channels.  Tile half c holds channels [64 c, 64 c + 64) of the tile's
+// 128; inside a half, accumulator column 16 g + i is gate channel 8 g + i, 16 g + 8 + i up.
+__device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
+                                            float (&acc)[64 * kNumHalvesPerWg], WgSlice slice, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
-    const uint32_t r0 = warp * 16 + lane / 4;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
     const float* pool_weights = at<float>(p, p.off_l1_pool_weights);
     const float weight[2] = {__ldcg(pool_weights + m0 + r0), __ldcg(pool_weights + m0 + r0 + 8)};
 
-    float act[32];
+    // Activations overwrite the gate slots of the accumulators.
     float amax[2] = {0.0f, 0.0f};
     #pragma unroll
-    for (uint32_t c = 0; c < 8; ++c) {
+    for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
         #pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
+        for (uint32_t g = 0; g < 8; ++g) {
             #pragma unroll
-            for (uint32_t e = 0; e < 2; ++e) {
-                const float gate = acc[8 * c + 2 * h + e];
-                const float up = acc[8 * c + 4 + 2 * h + e];
-                const float v = silu(gate) * up * weight[h];
-                act[4 * c + 2 * h + e] = v;
-                amax[h] = fmaxf(amax[h], fabsf(v));
+            for (uint32_t r = 0; r < 2; ++r) {
+                #pragma unroll
+                for (uint32_t e = 0; e < 2; ++e) {
+                    float& gate = acc[64 * h + 8 * g + 2 * r + e];
+                    const float up = acc[64 * h + 8 * g + 4 + 2 * r + e];
+                    gate = silu(gate) * up * weight[r];
+                    amax[r] = fmaxf(amax[r], fabsf(gate));
+                }
             }
         }
     }
     #pragma unroll
-    for (uint32_t h = 0; h < 2; ++h) {
-        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
-        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+    for (uint32_t r = 0; r < 2; ++r) {
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
     }
-    if (q == 0) {
-        ss.row_amax[wg][r0] = amax[0];
-        ss.row_amax[wg][r0 + 8] = amax[1];
+    if constexpr (kBlockM == 64) {
+        // The row's other 64 channels live in the other warpgroup.
+        if (q == 0) {
+            ss.row_amax[slice.wg][r0] = amax[0];
+            ss.row_amax[slice.wg][r0 + 8] = amax[1];
+        }
+        ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+        amax[0] = fmaxf(ss.row_amax[0][r0], ss.row_amax[1][r0]);
+        amax[1] = fmaxf(ss.row_amax[0][r0 + 8], ss.row_amax[1][r0 + 8]);
     }
-    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-
     float sf[2], inv[2];
     #pragma unroll
-    for (uint32_t h = 0; h < 2; ++h) {
-        const uint32_t row = r0 + 8 * h;
-        sf[h] = fmaxf(fmaxf(ss.row_amax[0][row], ss.row_amax[1][row]), 1e-4f) / 448.0f;
-        inv[h] = 1.0f / sf[h];
+    for (uint32_t r = 0; r < 2; ++r) {
+        sf[r] = fmaxf(amax[r], 1e-4f) / 448.0f;
+        inv[r] = 1.0f / sf[r];
     }
     uint8_t* staging = ss.staging;  // [BLOCK_M][128] fp8
     #pragma unroll
-    for (uint32_t c = 0; c < 8; ++c) {
+    for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
         #pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
-            const float2 v = make_float2(act[4 * c + 2 * h] * inv[h], act[4 * c + 2 * h + 1] * inv[h]);
-            const __nv_fp8x2_storage_t packed = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
-            *reinterpret_cast<__nv_fp8x2_storage_t*>(staging + (r0 + 8 * h) * 128 + wg * 64 + 8 * c + 2 * q) = packed;
+        for (uint32_t g = 0; g < 8; ++g) {
+            #pragma unroll
+            for (uint32_t r = 0; r < 2; ++r) {
+                const float2 v = make_float2(acc[64 * h + 8 * g + 2 * r] * inv[r], acc[64 * h + 8 * g + 2 * r + 1] * inv[r]);
+                const __nv_fp8x2_storage_t packed = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+                *reinterpret_cast<__nv_fp8x2_storage_t*>(staging + (r0 + 8 * r) * 128 + slice.half(h) * 64 + 8 * g +
+                                                         2 * q) = packed;
+            }
         }
     }
-    if (wg == 0 && q == 0) {
+    if ((kBlockM == 128 || slice.wg == 0) && q == 0) {
         float* pool_sf = at<float>(p, p.off_l2_pool_sf) + static_cast<uint64_t>(tile.n) * p.num_max_pool_tokens + m0;
         pool_sf[r0] = sf[0];
         pool_sf[r0 + 8] = sf[1];
@@ -154,7 +171,7 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
 
     uint8_t* pool = at<uint8_t>(p, p.off_l2_pool);
-    const uint32_t ct = wg * 128 + tid % 128;
+    const uint32_t ct = tid % kNumConsumerThreads;
     #pragma unroll
     for (uint32_t idx = ct; idx < kBlockM * 8; idx += kNumConsumerThreads) {
         const uint32_t row = idx / 8, chunk = idx % 8;
@@ -172,18 +189,22 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
 }
 
 // L2 epilogue: BF16 rows pushed straight into the source rank's combine slot [k][token].
-__device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile, const float (&acc)[64],
-                                            uint32_t wg, uint32_t tid) {
+__device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
+                                            const float (&acc)[64 * kNumHalvesPerWg], WgSlice slice, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
-    const uint32_t r0 = warp * 16 + lane / 4;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
     __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(ss.staging);  // [BLOCK_M][256]
     #pragma unroll
-    for (uint32_t j = 0; j < 16; ++j) {
+    for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
         #pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
-            const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            *reinterpret_cast<__nv_bfloat162*>(staging + (r0 + 8 * h) * kBlockN + wg * 128 + 8 * j + 2 * q) = v;
+        for (uint32_t j = 0; j < 16; ++j) {
+            #pragma unroll
+            for (uint32_t r = 0; r < 2; ++r) {
+                const __nv_bfloat162 v = __floats2bfloat162_rn(acc[64 * h + 4 * j + 2 * r], acc[64 * h + 4 * j + 2 * r + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(staging + (r0 + 8 * r) * kBlockN + slice.half(h) * 128 + 8 * j +
+                                                   2 * q) = v;
+            }
         }
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
@@ -191,7 +212,7 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
     const uint32_t valid = ss.schedule.valid_rows(tile.expert, tile.block);
     const int4* meta = at<int4>(p, p.off_pool_src_meta);
     __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
-    const uint32_t consumer_warp = wg * 4 + warp;
+    const uint32_t consumer_warp = (tid % kNumConsumerThreads) / 32;
     for (uint32_t row = consumer_warp; row < valid; row += 8) {
         const int4 src = __ldcg(meta + m0 + row);
         __nv_bfloat16* dst = combine +
@@ -203,74 +224,81 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
 }
 
-// MMA consumer warpgroup `wg` (0 or 1): columns [128 wg, 128 wg + 128) of every tile.
+// MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.
+// Per 128-K block and column half: 4 WGMMAs into `part`, wait, then promote into `acc`
+// with the row's A scale and the half's B scale(s).
 __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
     const Schedule& s = ss.schedule;
+    const WgSlice slice{wg};
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
-    const uint32_t r0 = warp * 16 + lane / 4;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const float* w1_sf = reinterpret_cast<const float*>(p.w1_sf);
     const float* w2_sf = reinterpret_cast<const float*>(p.w2_sf);
-    float acc[64], part[64];
+    float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
     for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
         const Tile tile = decode_tile(s, t);
         const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
-        const uint32_t nb = tile.n * 2 + wg;  // this warpgroup's 128-row block of B
         // L1 scales: [E_local, 2I/128, H/128, {gate, up}]; L2 scales: [E_local, H/128, I/128]
-        const float* sfb = tile.is_l2
-                               ? w2_sf + (static_cast<uint64_t>(tile.expert) * (kHidden / 128) + nb) * kNumL2KBlocks
-                               : w1_sf + (static_cast<uint64_t>(tile.expert) * (2 * kIntermediate / 128) + nb) *
-                                             kNumL1KBlocks * 2;
+        const float* sfb_base = tile.is_l2 ? w2_sf + static_cast<uint64_t>(tile.expert) * (kHidden / 128) * kNumL2KBlocks
+                                           : w1_sf + static_cast<uint64_t>(tile.expert) * (2 * kIntermediate / 128) *
+                                                         kNumL1KBlocks * 2;
         #pragma unroll
-        for (uint32_t i = 0; i < 64; ++i)
+        for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
             acc[i] = 0.0f;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
-            float sfb_even, sfb_odd;
-            if (tile.is_l2) {
-                sfb_even = sfb_odd = __ldg(sfb + kb);
-            } else {
-                sfb_even = __ldg(sfb + 2 * kb);
-                sfb_odd = __ldg(sfb + 2 * kb + 1);
+            float sfb_even[kNumHalvesPerWg], sfb_odd[kNumHalvesPerWg];
+            #pragma unroll
+            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+                const uint32_t nb = tile.n * 2 + slice.half(h);
+                if (tile.is_l2) {
+                    sfb_even[h] = sfb_odd[h] = __ldg(sfb_base + nb * kNumL2KBlocks + kb);
+                } else {
+                    sfb_even[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2);
+                    sfb_odd[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2 + 1);
+                }
             }
             mbar_wait(p, &ss.full[stage], phase);
             const float sfa0 = ss.sfa[stage][r0];
             const float sfa1 = ss.sfa[stage][r0 + 8];
+            const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
+            #pragma unroll
+            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+                const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
+                #pragma unroll
+                for (uint32_t i = 0; i < 64; ++i)
+                    ptx::warpgroup_fence_operand(part[i]);
+                ptx::wgmma_fence();
+                #pragma unroll
+                for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                    ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+                ptx::wgmma_commit();
+                ptx::wgmma_wait<0>();
+                #pragma unroll
+                for (uint32_t i = 0; i < 64; ++i)
+                    ptx::warpgroup_fence_operand(part[i]);
+                if (h == kNumHalvesPerWg - 1 && lane == 0)
+                    ptx::mbar_arrive(&ss.empty[stage]);
 
-            const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage]);
-            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + wg * 128 * kBlockK);
-            #pragma unroll
-            for (uint32_t i = 0; i < 64; ++i)
-                ptx::warpgroup_fence_operand(part[i]);
-            ptx::wgmma_fence();
-            #pragma unroll
-            for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
-                ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
-            ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();
-            #pragma unroll
-            for (uint32_t i = 0; i < 64; ++i)
-                ptx::warpgroup_fence_operand(part[i]);
-            if (lane == 0)
-                ptx::mbar_arrive(&ss.empty[stage]);
-
-            // Promote: acc += part * sfa(row) * sfb(column group)
-            const float s00 = sfa0 * sfb_even, s01 = sfa0 * sfb_odd;
-            const float s10 = sfa1 * sfb_even, s11 = sfa1 * sfb_odd;
-            #pragma unroll
-            for (uint32_t i = 0; i < 64; ++i) {
-                const bool odd_group = ((i / 4) % 2) == 1;
-                const bool second_row = ((i / 2) % 2) == 1;
-                const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
-                acc[i] = fmaf(part[i], scale, acc[i]);
+                // Promote: acc += part * sfa(row) * sfb(column group)
+                const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_odd[h];
+                const float s10 = sfa1 * sfb_even[h], s11 = sfa1 * sfb_odd[h];
+                #pragma unroll
+                for (uint32_t i = 0; i < 64; ++i) {
+                    const bool odd_group = ((i / 4) % 2) == 1;
+                    const bool second_row = ((i / 2) % 2) == 1;
+                    const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
+                    acc[64 * h + i] = fmaf(part[i], scale, acc[64 * h + i]);
+                }
             }
         }
         if (tile.is_l2)
-            epilogue_l2(p, ss, tile, acc, wg, tid);
+            epilogue_l2(p, ss, tile, acc, slice, tid);
         else
-            epilogue_l1(p, ss, tile, acc, wg, tid);
+            epilogue_l1(p, ss, tile, acc, slice, tid);
     }
 }
 

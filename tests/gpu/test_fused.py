@@ -81,6 +81,18 @@ def test_matches_reference(group, shape_name, num_tokens):
     check_against_reference(problem, group, y)
 
 
+@pytest.mark.parametrize(
+    "shape_name,num_tokens,block_m,num_stages",
+    [("small", 700, 128, 3), ("small", 700, 64, 2), ("deepseek-v3", 1000, 128, 3), ("seed-default", 300, 128, 2)],
+)
+def test_kernel_configs(group, shape_name, num_tokens, block_m, num_stages):
+    rank, world = rank_and_world(group)
+    problem = make_problem(SHAPES[shape_name], rank, world, num_tokens, num_tokens, "cuda", shared_seed(group))
+    runner, y = run_fused(problem, group, {"block_m": block_m, "num_stages": num_stages})
+    assert runner.config["block_m"] == block_m and runner.config["num_stages"] == num_stages
+    check_against_reference(problem, group, y)
+
+
 @pytest.mark.parametrize("routing", ["with_invalid", "one_expert", "imbalanced"])
 def test_routing_edge_cases(group, routing):
     rank, world = rank_and_world(group)
