@@ -1,0 +1,25 @@
+"""`megamoe bench` as a library: sweep schema, torchrun launcher, per-rank worker,
+timing, metrics, results store and environment metadata.
+
+Importing this package does not import torch; the launcher and worker do so
+when they run.
+"""
+
+from .launcher import BenchEvent, BenchResult, run_bench
+from .results import COLUMNS, append_rows, read_results, summary
+from .sweep import Point, Sweep, load_sweep, load_sweep_text, sweep_from_flags
+
+__all__ = [
+    "BenchEvent",
+    "BenchResult",
+    "COLUMNS",
+    "Point",
+    "Sweep",
+    "append_rows",
+    "load_sweep",
+    "load_sweep_text",
+    "read_results",
+    "run_bench",
+    "summary",
+    "sweep_from_flags",
+]

@@ -1,0 +1,456 @@
+"""The result schema (the one owner of column names) and the results store.
+
+One row per (run, point).  Files are chosen by extension: ``.csv`` (default),
+``.jsonl`` or ``.parquet`` (needs pyarrow).  Appending never rewrites rows that
+are already there in place: CSV and JSON Lines are appended to (one write per
+batch, flushed and fsync'd); Parquet, which cannot be appended to, is rewritten
+to a temporary file that atomically replaces the old one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+from ..backends import BASELINE_BACKEND
+from ..errors import MegaMoEError
+from .envinfo import ENV_COLUMNS, utc_now
+
+SHAPE_COLUMNS = ("hidden", "intermediate", "num_experts", "num_topk")
+
+# Order is the column order of every results file.
+COLUMNS = (
+    "run_id",
+    "date",
+    "sweep",
+    "preset",
+    *SHAPE_COLUMNS,
+    "num_tokens",
+    "num_tokens_min",
+    "num_tokens_max",
+    "num_max_tokens_per_rank",
+    "world_size",
+    "backend",
+    "config",
+    "block_m",
+    "routing",
+    "seed",
+    "warmup",
+    "iters",
+    "flush_l2",
+    "inputs_copy_timed",
+    "device",
+    "status",
+    "error",
+    "time_us_median",
+    "time_us_min",
+    "time_us_max",
+    "slowest_rank",
+    "num_pairs",
+    "recv_pairs_max",
+    "tflops",
+    "hbm_gbps",
+    "nvlink_gbps",
+    "floor_us",
+    "floor_fraction",
+    "floor_bound",
+    "rel_err",
+    *ENV_COLUMNS,
+)
+
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+
+FLOAT_COLUMNS = (
+    "time_us_median",
+    "time_us_min",
+    "time_us_max",
+    "tflops",
+    "hbm_gbps",
+    "nvlink_gbps",
+    "floor_us",
+    "floor_fraction",
+    "rel_err",
+)
+INT_COLUMNS = (
+    *SHAPE_COLUMNS,
+    "num_tokens",
+    "num_tokens_min",
+    "num_tokens_max",
+    "num_max_tokens_per_rank",
+    "world_size",
+    "block_m",
+    "seed",
+    "warmup",
+    "iters",
+    "slowest_rank",
+    "num_pairs",
+    "recv_pairs_max",
+    "gpu_count",
+)
+BOOL_COLUMNS = ("flush_l2", "inputs_copy_timed", "git_dirty")
+# Columns that identify "the same problem" when comparing backends of one run.
+PROBLEM_COLUMNS = (
+    "run_id",
+    *SHAPE_COLUMNS,
+    "num_tokens",
+    "num_tokens_min",
+    "num_tokens_max",
+    "world_size",
+    "routing",
+    "seed",
+)
+
+FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".parquet": "parquet"}
+
+Row = Dict[str, Any]
+
+
+def make_row(
+    point: Any,
+    *,
+    run_id: str,
+    world_size: int,
+    device: str,
+    env: Dict[str, Any],
+    status: str,
+    error: str = "",
+    timing: Optional[Dict[str, Any]] = None,
+    metrics: Optional[Dict[str, Any]] = None,
+    rel_err: Optional[float] = None,
+    config: Optional[Dict[str, Any]] = None,
+    inputs_copy_timed: Optional[bool] = None,
+) -> Row:
+    """One result row for ``point`` (a ``sweep.Point``); absent measurements are NaN."""
+    tokens = [point.tokens_for_rank(r, world_size) for r in range(world_size)]
+    used = dict(point.config if config is None else config)
+    nan = float("nan")
+    row: Row = {
+        "run_id": run_id,
+        "date": utc_now(),
+        "sweep": point.sweep,
+        "preset": point.preset or "",
+        "hidden": point.hidden,
+        "intermediate": point.intermediate,
+        "num_experts": point.num_experts,
+        "num_topk": point.num_topk,
+        "num_tokens": max(tokens),
+        "num_tokens_min": min(tokens),
+        "num_tokens_max": max(tokens),
+        "num_max_tokens_per_rank": point.num_max_tokens_per_rank,
+        "world_size": world_size,
+        "backend": point.backend,
+        "config": json.dumps(used, sort_keys=True),
+        "block_m": used.get("block_m", point.block_m),
+        "routing": point.routing,
+        "seed": point.seed,
+        "warmup": point.warmup,
+        "iters": point.iters,
+        "flush_l2": point.flush_l2,
+        "inputs_copy_timed": inputs_copy_timed,
+        "device": device,
+        "status": status,
+        "error": error,
+        "time_us_median": nan,
+        "time_us_min": nan,
+        "time_us_max": nan,
+        "slowest_rank": None,
+        "num_pairs": None,
+        "recv_pairs_max": None,
+        "tflops": nan,
+        "hbm_gbps": nan,
+        "nvlink_gbps": nan,
+        "floor_us": nan,
+        "floor_fraction": nan,
+        "floor_bound": "",
+        "rel_err": nan if rel_err is None else rel_err,
+    }
+    for source in (timing or {}, metrics or {}):
+        for key, value in source.items():
+            if key not in row:
+                raise MegaMoEError(f"result column {key!r} is not in the schema (results.COLUMNS)")
+            row[key] = value
+    for key in ENV_COLUMNS:
+        row[key] = env.get(key)
+    return {key: row[key] for key in COLUMNS}
+
+
+def file_format(path: Union[str, Path]) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise MegaMoEError(
+            f"{path}: unknown results format {suffix or '(no extension)'!r}; "
+            f"expected one of {', '.join(FORMATS)}"
+        )
+    if FORMATS[suffix] == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise MegaMoEError(
+                f"{path}: writing Parquet needs pyarrow (pip install pyarrow); use .csv or .jsonl instead"
+            ) from None
+    return FORMATS[suffix]
+
+
+def check_output_path(path: Union[str, Path]) -> None:
+    """Fail before a run starts if its results could not be written."""
+    path = Path(path)
+    fmt = file_format(path)
+    if path.exists() and path.is_dir():
+        raise MegaMoEError(f"{path}: results path is a directory; expected a {fmt} file")
+    if not path.parent.exists():
+        raise MegaMoEError(f"{path}: folder {path.parent} does not exist")
+    if fmt == "csv" and path.exists() and path.stat().st_size:
+        _csv_header(path)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def row_to_json(row: Row) -> str:
+    """JSON text of a row; NaN becomes null so the line stays valid JSON."""
+    return json.dumps({k: _clean(v) for k, v in row.items()}, sort_keys=False)
+
+
+def _csv_cell(value: Any) -> str:
+    value = _clean(value)
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _csv_header(path: Path) -> List[str]:
+    with open(path, newline="") as f:
+        first = f.readline()
+    try:
+        header = next(csv.reader([first]))
+    except StopIteration:
+        header = []
+    if "status" not in header or "backend" not in header:
+        raise MegaMoEError(
+            f"{path}: not a megamoe results file (its first line has no status/backend columns); "
+            "choose another --out"
+        )
+    return header
+
+
+def _append_bytes(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def append_rows(path: Union[str, Path], rows: Sequence[Row]) -> None:
+    """Append ``rows`` to the results file at ``path``, creating it if needed."""
+    path = Path(path)
+    fmt = file_format(path)
+    rows = list(rows)
+    if not rows:
+        return
+    for row in rows:
+        unknown = sorted(set(row) - set(COLUMNS))
+        if unknown:
+            raise MegaMoEError(f"row has columns {unknown} that are not in the schema (results.COLUMNS)")
+    exists = path.exists() and path.stat().st_size > 0
+    if fmt == "jsonl":
+        prefix = "" if not exists or _ends_with_newline(path) else "\n"
+        text = prefix + "".join(row_to_json({k: r.get(k) for k in COLUMNS}) + "\n" for r in rows)
+        _append_bytes(path, text.encode())
+    elif fmt == "csv":
+        _append_csv(path, rows, exists)
+    else:
+        _append_parquet(path, rows, exists)
+
+
+def _append_csv(path: Path, rows: Sequence[Row], exists: bool) -> None:
+    header = _csv_header(path) if exists else list(COLUMNS)
+    if exists and header != list(COLUMNS):
+        _rewrite_csv_with_union(path, header, rows)
+        return
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    if exists and not _ends_with_newline(path):
+        buf.write("\n")
+    if not exists:
+        writer.writerow(COLUMNS)
+    for row in rows:
+        writer.writerow([_csv_cell(row.get(k)) for k in COLUMNS])
+    _append_bytes(path, buf.getvalue().encode())
+
+
+def _rewrite_csv_with_union(path: Path, header: List[str], rows: Sequence[Row]) -> None:
+    """An older file with other columns: keep its cells verbatim, add the new columns."""
+    with open(path, newline="") as f:
+        old = list(csv.reader(f))[1:]
+    columns = header + [c for c in COLUMNS if c not in header]
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            writer.writerow(columns)
+            for cells in old:
+                writer.writerow(cells + [""] * (len(columns) - len(cells)))
+            for row in rows:
+                writer.writerow([_csv_cell(row.get(c)) for c in columns])
+
+    _atomic_write(path, write)
+
+
+def _append_parquet(path: Path, rows: Sequence[Row], exists: bool) -> None:
+    import pandas as pd
+
+    new = _typed(pd.DataFrame([{k: r.get(k) for k in COLUMNS} for r in rows], columns=list(COLUMNS)))
+    frame = pd.concat([pd.read_parquet(path), new], ignore_index=True) if exists else new
+    _atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
+
+
+def _typed(frame):
+    import pandas as pd
+
+    for col in FLOAT_COLUMNS:
+        if col in frame:
+            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
+    for col in INT_COLUMNS:
+        if col in frame:
+            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    for col in BOOL_COLUMNS:
+        if col in frame:
+            frame[col] = frame[col].map(_to_bool).astype("boolean")
+    for col in frame.columns:
+        if col not in FLOAT_COLUMNS + INT_COLUMNS + BOOL_COLUMNS:
+            frame[col] = frame[col].map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+    return frame
+
+
+def _to_bool(value: Any) -> Optional[bool]:
+    if isinstance(value, bool):
+        return value
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    text = str(value).strip().lower()
+    if text in ("true", "1"):
+        return True
+    if text in ("false", "0"):
+        return False
+    return None
+
+
+def read_results(path: Union[str, Path]):
+    """All rows of a results file as a DataFrame with the schema's dtypes."""
+    import pandas as pd
+
+    path = Path(path)
+    fmt = file_format(path)
+    if not path.exists():
+        raise MegaMoEError(f"{path}: results file not found")
+    if fmt == "csv":
+        if path.stat().st_size == 0:
+            return _typed(pd.DataFrame(columns=list(COLUMNS)))
+        _csv_header(path)
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    elif fmt == "jsonl":
+        records = []
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise MegaMoEError(f"{path}:{number}: not a JSON row: {exc.msg}") from None
+        frame = pd.DataFrame(records)
+    else:
+        frame = pd.read_parquet(path)
+    for col in COLUMNS:
+        if col not in frame:
+            frame[col] = None
+    frame = frame.replace({"": None}) if fmt == "csv" else frame
+    return _typed(frame)
+
+
+def rows_frame(rows: Iterable[Row]):
+    import pandas as pd
+
+    return _typed(pd.DataFrame([{k: r.get(k) for k in COLUMNS} for r in rows], columns=list(COLUMNS)))
+
+
+SUMMARY_COLUMNS = (
+    "backend",
+    "shape",
+    "num_tokens",
+    "block_m",
+    "status",
+    "time_us_median",
+    "tflops",
+    "floor_fraction",
+    "rel_err",
+    "speedup_vs_torch",
+)
+
+
+def with_speedup(frame):
+    """Add ``speedup_vs_torch``: the torch (FP8) time of the same problem in the same run / this row's time."""
+    import pandas as pd
+
+    frame = frame.copy()
+    key = list(PROBLEM_COLUMNS)
+    base = frame[(frame["backend"] == BASELINE_BACKEND) & (frame["status"] == STATUS_OK)]
+    base = base.groupby(key, dropna=False)["time_us_median"].min().rename("_baseline_us").reset_index()
+    merged = frame.reset_index().merge(base, on=key, how="left").set_index("index")
+    ok = merged["status"] == STATUS_OK
+    speedup = merged["_baseline_us"] / merged["time_us_median"]
+    frame["speedup_vs_torch"] = speedup.where(ok).astype("float64").reindex(frame.index)
+    return frame
+
+
+def summary(frame):
+    """A compact view for display: one line per row with the baseline ratio."""
+    frame = with_speedup(frame)
+
+    def shape_name(row) -> str:
+        if row["preset"]:
+            return row["preset"]
+        return f"{row['hidden']}/{row['intermediate']}/{row['num_experts']}/top-{row['num_topk']}"
+
+    frame["shape"] = frame.apply(shape_name, axis=1) if len(frame) else []
+    return frame[list(SUMMARY_COLUMNS)]

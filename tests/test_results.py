@@ -1,0 +1,197 @@
+"""Result schema and the results store: rows keep their columns, and old rows survive appends."""
+
+import json
+import math
+import sys
+
+import pytest
+
+from megamoe_cli.bench import results
+from megamoe_cli.bench.results import COLUMNS, append_rows, make_row, read_results, summary
+from megamoe_cli.bench.sweep import load_sweep_text
+from megamoe_cli.errors import MegaMoEError
+
+SWEEP = """\
+name: t
+shape: {preset: small}
+num_tokens: [4, [0, 8]]
+backends: [fused, torch]
+"""
+ENV = {"gpu": "cpu", "gpu_count": 0, "driver": "", "torch": "2.x", "cuda": "", "python": "3.11",
+       "git_commit": "abc", "git_dirty": False, "hostname": "h"}
+
+
+def points():
+    return load_sweep_text(SWEEP).points  # fused@4, torch@4, fused@[0,8], torch@[0,8]
+
+
+def ok_row(point, time_us, run_id="run1"):
+    return make_row(
+        point, run_id=run_id, world_size=2, device="cpu", env=ENV, status="ok",
+        timing={"time_us_median": time_us, "time_us_min": time_us - 1, "time_us_max": time_us + 1, "slowest_rank": 1},
+        metrics={"num_pairs": 16, "tflops": 0.5}, rel_err=0.01, inputs_copy_timed=True,
+    )
+
+
+def failed_row(point, run_id="run1"):
+    return make_row(point, run_id=run_id, world_size=2, device="cpu", env=ENV, status="failed", error="boom, \"quoted\"\nline 2")
+
+
+def test_make_row_has_exactly_the_schema_columns():
+    row = ok_row(points()[0], 100.0)
+    assert list(row) == list(COLUMNS)
+    for column in ("hidden", "intermediate", "num_experts", "num_topk", "num_tokens", "num_tokens_min",
+                   "num_tokens_max", "world_size", "backend", "config", "block_m", "status", "error",
+                   "time_us_median", "time_us_min", "time_us_max", "slowest_rank", "tflops", "hbm_gbps",
+                   "nvlink_gbps", "floor_us", "floor_fraction", "rel_err", "inputs_copy_timed", "gpu",
+                   "gpu_count", "driver", "torch", "cuda", "python", "git_commit", "git_dirty", "hostname", "date"):
+        assert column in row
+    assert row["preset"] == "small" and row["status"] == "ok" and row["rel_err"] == 0.01
+    assert math.isnan(row["floor_us"])
+    assert row["date"].endswith("+00:00")
+
+
+def test_uneven_tokens_give_min_and_max():
+    row = ok_row(points()[2], 10.0)
+    assert (row["num_tokens"], row["num_tokens_min"], row["num_tokens_max"]) == (8, 0, 8)
+
+
+def test_config_column_records_what_the_backend_used():
+    point = points()[0]
+    row = make_row(point, run_id="r", world_size=2, device="cpu", env=ENV, status="ok",
+                   config={"block_m": 128, "num_stages": 4})
+    assert json.loads(row["config"]) == {"block_m": 128, "num_stages": 4}
+    assert row["block_m"] == 128
+
+
+def test_make_row_refuses_columns_outside_the_schema():
+    with pytest.raises(MegaMoEError, match="'speed' is not in the schema"):
+        make_row(points()[0], run_id="r", world_size=2, device="cpu", env=ENV, status="ok", metrics={"speed": 1})
+
+
+@pytest.mark.parametrize("ext", [".csv", ".jsonl"])
+def test_append_keeps_old_bytes_and_reads_back_typed(tmp_path, ext):
+    path = tmp_path / f"results{ext}"
+    ps = points()
+    append_rows(path, [ok_row(ps[0], 100.0), failed_row(ps[1])])
+    before = path.read_bytes()
+    append_rows(path, [ok_row(ps[2], 50.0, run_id="run2")])
+    after = path.read_bytes()
+    assert after.startswith(before)
+    if ext == ".csv":
+        assert after.decode().count("run_id,") == 1  # header written once
+    frame = read_results(path)
+    assert list(frame.columns) == list(COLUMNS)
+    assert len(frame) == 3
+    assert list(frame["status"]) == ["ok", "failed", "ok"]
+    assert frame["time_us_median"][0] == 100.0 and math.isnan(frame["time_us_median"][1])
+    assert frame["error"][1] == "boom, \"quoted\"\nline 2"
+    assert frame["num_tokens_min"][2] == 0 and frame["num_tokens_max"][2] == 8
+    assert bool(frame["inputs_copy_timed"][0]) is True
+    assert json.loads(frame["config"][0]) == {}
+
+
+def test_jsonl_nan_is_written_as_null(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_rows(path, [failed_row(points()[0])])
+    data = json.loads(path.read_text())
+    assert data["time_us_median"] is None
+
+
+def test_csv_append_after_a_torn_last_line_starts_a_new_line(tmp_path):
+    path = tmp_path / "r.csv"
+    append_rows(path, [ok_row(points()[0], 1.0)])
+    with open(path, "a") as f:
+        f.write("torn")
+    append_rows(path, [ok_row(points()[1], 2.0)])
+    lines = path.read_text().splitlines()
+    assert lines[2] == "torn" and lines[3].startswith("run1,")
+
+
+def test_csv_with_other_columns_is_extended_keeping_old_cells(tmp_path):
+    path = tmp_path / "old.csv"
+    path.write_text("run_id,backend,status,old_metric\nr0,torch,ok,1.50\n")
+    append_rows(path, [ok_row(points()[1], 7.0)])
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("run_id,backend,status,old_metric,")
+    assert lines[1].startswith("r0,torch,ok,1.50,")
+    frame = read_results(path)
+    assert list(frame["backend"]) == ["torch", "torch"]
+    assert frame["time_us_median"][1] == 7.0
+
+
+def test_a_file_that_is_not_a_results_file_is_refused(tmp_path):
+    path = tmp_path / "notes.csv"
+    path.write_text("hello,world\n1,2\n")
+    with pytest.raises(MegaMoEError, match="not a megamoe results file"):
+        append_rows(path, [ok_row(points()[0], 1.0)])
+    assert path.read_text() == "hello,world\n1,2\n"
+
+
+def test_unknown_extension_lists_formats(tmp_path):
+    with pytest.raises(MegaMoEError, match=r"unknown results format '\.xlsx'; expected one of \.csv, \.jsonl, \.parquet"):
+        append_rows(tmp_path / "r.xlsx", [ok_row(points()[0], 1.0)])
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(MegaMoEError, match="needs pyarrow"):
+        results.check_output_path(tmp_path / "r.parquet")
+
+
+def test_parquet_round_trip_when_pyarrow_is_installed(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "r.parquet"
+    append_rows(path, [ok_row(points()[0], 1.0)])
+    append_rows(path, [failed_row(points()[1])])
+    frame = read_results(path)
+    assert list(frame["status"]) == ["ok", "failed"]
+
+
+def test_atomic_rewrite_leaves_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "r.parquet"
+    path.write_bytes(b"old contents")
+
+    def write_then_fail(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        results._atomic_write(path, write_then_fail)
+    assert path.read_bytes() == b"old contents"
+    assert [p.name for p in tmp_path.iterdir()] == ["r.parquet"]
+
+
+def test_check_output_path(tmp_path):
+    with pytest.raises(MegaMoEError, match="does not exist"):
+        results.check_output_path(tmp_path / "missing" / "r.csv")
+    with pytest.raises(MegaMoEError, match="is a directory"):
+        (tmp_path / "d.csv").mkdir()
+        results.check_output_path(tmp_path / "d.csv")
+    results.check_output_path(tmp_path / "fresh.csv")
+
+
+def test_read_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(MegaMoEError, match="results file not found"):
+        read_results(tmp_path / "nope.csv")
+
+
+def test_summary_speedup_vs_torch_pairs_rows_of_the_same_run_and_problem(tmp_path):
+    ps = points()  # fused@4, torch@4, fused@[0,8], torch@[0,8]
+    rows = [
+        ok_row(ps[0], 50.0),  # fused, 4 tokens
+        ok_row(ps[1], 200.0),  # torch, 4 tokens -> fused speedup 4x
+        ok_row(ps[2], 30.0),  # fused, [0, 8]: its torch point failed
+        failed_row(ps[3]),
+        ok_row(ps[0], 10.0, run_id="run2"),  # another run without a torch row
+    ]
+    path = tmp_path / "r.csv"
+    append_rows(path, rows)
+    view = summary(read_results(path))
+    assert list(view.columns) == list(results.SUMMARY_COLUMNS)
+    speedups = list(view["speedup_vs_torch"])
+    assert speedups[0] == pytest.approx(4.0)
+    assert speedups[1] == pytest.approx(1.0)
+    assert all(math.isnan(s) for s in speedups[2:])
+    assert list(view["shape"]) == ["small"] * 5
