@@ -1,0 +1,480 @@
+"""One rank of a benchmark run; the launcher starts it under torchrun::
+
+    python -m megamoe_cli.bench.worker --plan PLAN.json --rows ROWS.jsonl --run-dir DIR
+
+For every point of the plan, all ranks step through the same phases (problem,
+prepare, timing, check) and agree after each one (an all-gather of each rank's
+error, if any).  A phase that raises on any rank turns the point into a failed
+row with every rank's error text, and the sweep goes on with the next point.
+Rank 0 appends each finished row to ``--rows`` at once (fsync'd), so rows
+survive a later crash.
+
+A watchdog bounds every point by its ``timeout_s``: a rank stuck past it (a
+peer died inside a collective, a kernel that never ends) records the point as
+failed, writes ``fatal.rank<R>.txt`` naming the point and phase, and exits
+non-zero instead of hanging.
+
+Files in ``--run-dir``: ``rank<R>.pid`` (so the launcher can kill ranks that
+torchrun orphans), ``env.json`` (environment columns), ``progress.jsonl``
+(rank 0: one line per point started) and ``fatal.rank<R>.txt``.
+
+Test hooks (integer point index; they act on the last rank only, so the other
+ranks see a real peer failure): ``MEGAMOE_TEST_CRASH_AT_POINT`` exits the
+process at the start of that point, ``MEGAMOE_TEST_FAIL_AT_POINT`` raises in
+its prepare phase, ``MEGAMOE_TEST_HANG_AT_POINT`` never finishes its prepare
+phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+TEST_CRASH_ENV = "MEGAMOE_TEST_CRASH_AT_POINT"
+TEST_FAIL_ENV = "MEGAMOE_TEST_FAIL_AT_POINT"
+TEST_HANG_ENV = "MEGAMOE_TEST_HANG_AT_POINT"
+
+EXIT_FATAL = 2
+EXIT_TIMEOUT = 3
+EXIT_TEST_CRASH = 1
+
+MAX_ERROR_CHARS = 1500
+# How long rank 0 waits for a dead peer's own account before recording a lost point.
+PEER_FATAL_WAIT_S = 2.0
+
+PID_FILE = "rank{rank}.pid"
+FATAL_FILE = "fatal.rank{rank}.txt"
+ENV_FILE = "env.json"
+PROGRESS_FILE = "progress.jsonl"
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _append_line(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _test_hook(name: str, index: int, rank: int, world_size: int) -> bool:
+    value = os.environ.get(name)
+    return value is not None and value.strip() == str(index) and rank == world_size - 1
+
+
+class RowSink:
+    """Rank 0's writer of finished rows; at most one row per point index."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.written: set = set()
+
+    def write(self, index: int, row: Dict[str, Any]) -> None:
+        from .results import append_rows
+
+        with self.lock:
+            if index in self.written:
+                return
+            append_rows(self.path, [row])
+            self.written.add(index)
+
+
+class Watchdog:
+    """Ends the process when the armed deadline passes, after recording why."""
+
+    def __init__(self, rank: int, run_dir: Path, on_expire: Callable[[str], None]):
+        self.rank = rank
+        self.run_dir = run_dir
+        self.on_expire = on_expire
+        self.lock = threading.Condition()
+        self.deadline: Optional[float] = None
+        self.label = ""
+        self.seconds = 0.0
+        self.phase = ""
+        threading.Thread(target=self._loop, name="megamoe-watchdog", daemon=True).start()
+
+    def arm(self, label: str, seconds: float) -> None:
+        with self.lock:
+            self.label, self.seconds, self.phase = label, seconds, ""
+            self.deadline = time.monotonic() + seconds
+            self.lock.notify()
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.deadline = None
+            self.lock.notify()
+
+    def _loop(self) -> None:
+        with self.lock:
+            while True:
+                if self.deadline is None:
+                    self.lock.wait()
+                    continue
+                left = self.deadline - time.monotonic()
+                if left > 0:
+                    self.lock.wait(timeout=left)
+                    continue
+                phase = f" in phase {self.phase}" if self.phase else ""
+                message = (
+                    f"rank {self.rank}: {self.label} did not finish within {self.seconds:g} s{phase}; "
+                    "exiting instead of waiting forever"
+                )
+                break
+        try:
+            self.on_expire(message)
+        finally:
+            _fatal(self.run_dir, self.rank, message)
+            os._exit(EXIT_TIMEOUT)
+
+
+def _fatal(run_dir: Path, rank: int, message: str) -> None:
+    print(f"megamoe worker: {message}", file=sys.stderr, flush=True)
+    try:
+        _write_text_atomic(run_dir / FATAL_FILE.format(rank=rank), message + "\n")
+    except OSError:
+        pass
+
+
+class LostPeerError(Exception):
+    """The ranks lost each other in the middle of a point (a peer died or hung)."""
+
+
+def _peer_fatal_messages(run_dir: Path, rank: int, world_size: int, wait_s: float) -> List[str]:
+    """What the other ranks wrote before dying: the likely cause of a lost collective."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for peer in range(world_size):
+            path = run_dir / FATAL_FILE.format(rank=peer)
+            if peer != rank and path.exists():
+                try:
+                    found.append(path.read_text().strip())
+                except OSError:
+                    continue
+        if found or time.monotonic() >= deadline:
+            return [f for f in found if f]
+        time.sleep(0.1)
+
+
+class Worker:
+    def __init__(self, plan: Dict[str, Any], rows_path: Path, run_dir: Path):
+        import torch
+        import torch.distributed as dist
+
+        from .sweep import points_from_json
+
+        self.torch = torch
+        self.dist = dist
+        self.plan = plan
+        self.run_dir = run_dir
+        self.points = points_from_json(plan["points"])
+        self.run_id = plan["run_id"]
+        self.device_kind = plan["device"]
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.sink = RowSink(rows_path) if self.rank == 0 else None
+        self.env: Dict[str, Any] = {}
+        self.current: Optional[Tuple[int, Any]] = None
+        self.gpu = None
+        self.flusher = None
+        self.watchdog = Watchdog(self.rank, run_dir, self._record_in_flight_failure)
+
+    # -- setup ------------------------------------------------------------
+
+    def setup(self) -> None:
+        torch, dist = self.torch, self.dist
+        self.watchdog.arm("start-up (process group)", float(self.plan["startup_timeout_s"]))
+        timeout = timedelta(seconds=max(p.timeout_s for p in self.points) + 30)
+        if self.device_kind == "cuda":
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
+            from ..errors import MegaMoEError
+            from ..gpus import gpu_spec
+
+            try:
+                self.gpu = gpu_spec(torch.cuda.get_device_name(self.device))
+            except MegaMoEError:
+                self.gpu = None
+        else:
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=timeout)
+        self.group = dist.group.WORLD
+        if self.rank == 0:
+            from . import envinfo
+
+            self.env = envinfo.collect(self.device_kind)
+            _write_text_atomic(self.run_dir / ENV_FILE, json.dumps(self.env))
+        self.watchdog.disarm()
+
+    # -- helpers ----------------------------------------------------------
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.group)
+
+    def gather(self, value: Any) -> List[Any]:
+        """All ranks' ``value``; a failure here means a peer is gone, so the run cannot go on."""
+        out: List[Any] = [None] * self.world_size
+        try:
+            self.dist.all_gather_object(out, value, group=self.group)
+        except Exception as exc:
+            raise LostPeerError(
+                f"lost contact with the other ranks in phase {self.watchdog.phase}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return out
+
+    def _row(self, point, **fields) -> Dict[str, Any]:
+        from .results import make_row
+
+        return make_row(
+            point,
+            run_id=self.run_id,
+            world_size=self.world_size,
+            device=self.device_kind,
+            env=self.env,
+            **fields,
+        )
+
+    def _record_in_flight_failure(self, message: str, prefix: str = "timeout: ") -> None:
+        """Rank 0 records the point in flight as failed before the process ends."""
+        if self.sink is None or self.current is None:
+            return
+        from .results import STATUS_FAILED
+
+        index, point = self.current
+        try:
+            self.sink.write(index, self._row(point, status=STATUS_FAILED, error=prefix + message))
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+
+    # -- one point --------------------------------------------------------
+
+    def run(self) -> None:
+        for index, point in enumerate(self.points):
+            if self.rank == 0:
+                _append_line(self.run_dir / PROGRESS_FILE, json.dumps({"event": "start", "index": index}))
+            if _test_hook(TEST_CRASH_ENV, index, self.rank, self.world_size):
+                message = f"rank {self.rank}: test hook {TEST_CRASH_ENV}={index}: exiting at point {index}"
+                _fatal(self.run_dir, self.rank, message)
+                os._exit(EXIT_TEST_CRASH)
+            self.current = (index, point)
+            self.watchdog.arm(f"point {index} ({point.describe()})", point.timeout_s)
+            row = self.run_point(index, point)
+            self.watchdog.disarm()
+            if self.sink is not None:
+                self.sink.write(index, row)
+            self.current = None
+            self._release()
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.device_kind == "cuda":
+            self.torch.cuda.empty_cache()
+
+    def run_point(self, index: int, point) -> Dict[str, Any]:
+        from .results import STATUS_FAILED, STATUS_OK
+
+        state: Dict[str, Any] = {"index": index, "point": point}
+        phases = (
+            ("problem", self._phase_problem),
+            ("prepare", self._phase_prepare),
+            ("timing", self._phase_timing),
+            ("check", self._phase_check),
+        )
+        for name, phase in phases:
+            self.watchdog.phase = name
+            error = None
+            try:
+                phase(state)
+            except Exception as exc:
+                traceback.print_exc(file=sys.stderr)
+                error = f"{name}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+            errors = self.gather(error)
+            if any(errors):
+                state.clear()
+                return self._row(point, status=STATUS_FAILED, error=_merge_errors(errors))
+
+        self.watchdog.phase = "gather"
+        mine = {
+            "stats": state["stats"],
+            "counts": state["counts"],
+            "num_tokens": state["problem"].num_tokens,
+            "rel_err": state.get("rel_err"),
+            "config": state["config"],
+            "inputs_copy_timed": state["inputs_copy_timed"],
+        }
+        state.clear()
+        everyone = self.gather(mine)
+        return self._summarize(point, everyone, STATUS_OK)
+
+    def _phase_problem(self, state: Dict[str, Any]) -> None:
+        from ..problem import make_problem
+
+        point = state["point"]
+        problem = make_problem(
+            point.shape,
+            self.rank,
+            self.world_size,
+            point.tokens_for_rank(self.rank, self.world_size),
+            point.num_max_tokens_per_rank,
+            device=self.device,
+            seed=point.seed,
+            routing=point.routing,
+        )
+        state["problem"] = problem
+        valid = problem.topk_idx[problem.topk_idx >= 0]
+        state["counts"] = self.torch.bincount(valid, minlength=point.num_experts).tolist()
+
+    def _phase_prepare(self, state: Dict[str, Any]) -> None:
+        from ..backends import get_backend
+
+        index, point = state["index"], state["point"]
+        if _test_hook(TEST_FAIL_ENV, index, self.rank, self.world_size):
+            raise RuntimeError(f"injected failure ({TEST_FAIL_ENV}={index})")
+        if _test_hook(TEST_HANG_ENV, index, self.rank, self.world_size):
+            while True:
+                time.sleep(1.0)
+        runner = get_backend(point.backend).prepare(state["problem"], self.group, dict(point.config))
+        state["runner"] = runner
+        config = getattr(runner, "config", None)
+        state["config"] = json.loads(json.dumps(point.config if config is None else dict(config), default=str))
+        state["inputs_copy_timed"] = bool(getattr(runner, "inputs_copy_timed", True))
+        if point.flush_l2 and self.flusher is None:
+            from .timing import L2Flusher
+
+            self.flusher = L2Flusher(self.device)
+
+    def _phase_timing(self, state: Dict[str, Any]) -> None:
+        from .timing import Stats, time_calls
+
+        point = state["point"]
+        outputs: List[Any] = []
+        times = time_calls(
+            state["runner"],
+            warmup=point.warmup,
+            iters=point.iters,
+            barrier=self.barrier,
+            device=self.device_kind,
+            flush=self.flusher if point.flush_l2 else None,
+            on_result=outputs.append,
+        )
+        state["stats"] = Stats.of(times)
+        state["y"] = outputs[0]
+
+    def _phase_check(self, state: Dict[str, Any]) -> None:
+        point = state["point"]
+        if not point.check:
+            return
+        from ..reference import moe_reference_distributed
+
+        y_ref = moe_reference_distributed(state["problem"], self.group)
+        state["rel_err"] = relative_error(state["y"], y_ref)
+
+    def _summarize(self, point, everyone: List[Dict[str, Any]], status: str) -> Dict[str, Any]:
+        from ..errors import MegaMoEError
+        from .metrics import metric_columns, traffic
+
+        slowest = max(range(self.world_size), key=lambda r: everyone[r]["stats"].median_us)
+        stats = everyone[slowest]["stats"]
+        timing = {
+            "time_us_median": stats.median_us,
+            "time_us_min": stats.min_us,
+            "time_us_max": stats.max_us,
+            "slowest_rank": slowest,
+        }
+        try:
+            model = traffic(point.shape, [e["counts"] for e in everyone], [e["num_tokens"] for e in everyone])
+            metrics = metric_columns(model, stats.median_us, self.gpu)
+        except MegaMoEError:
+            metrics = {}
+        errs = [e["rel_err"] for e in everyone if e["rel_err"] is not None]
+        return self._row(
+            point,
+            status=status,
+            timing=timing,
+            metrics=metrics,
+            rel_err=max(errs) if errs else None,
+            config=everyone[0]["config"],
+            inputs_copy_timed=all(e["inputs_copy_timed"] for e in everyone),
+        )
+
+
+def relative_error(y: Any, y_ref: Any) -> float:
+    """``||y - y_ref|| / ||y_ref||`` in FP32 (0 when both are empty or zero)."""
+    if tuple(y.shape) != tuple(y_ref.shape):
+        raise ValueError(f"output shape {tuple(y.shape)} differs from the reference {tuple(y_ref.shape)}")
+    ref = y_ref.float()
+    diff = (y.float() - ref).norm().item()
+    norm = ref.norm().item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm
+
+
+def _merge_errors(errors: List[Optional[str]]) -> str:
+    by_text: Dict[str, List[int]] = {}
+    for rank, text in enumerate(errors):
+        if text:
+            by_text.setdefault(text, []).append(rank)
+    parts = []
+    for text, ranks in by_text.items():
+        who = "all ranks" if len(ranks) == len(errors) > 1 else "rank " + ",".join(map(str, ranks))
+        parts.append(f"{who}: {text}")
+    return "; ".join(parts)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megamoe_cli.bench.worker")
+    parser.add_argument("--plan", required=True, type=Path)
+    parser.add_argument("--rows", required=True, type=Path)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir: Path = args.run_dir
+    _write_text_atomic(run_dir / PID_FILE.format(rank=rank), json.dumps({"pid": os.getpid(), "rank": rank}))
+    worker = None
+    try:
+        plan = json.loads(args.plan.read_text())
+        worker = Worker(plan, args.rows, run_dir)
+        worker.setup()
+        worker.run()
+        worker.watchdog.arm("shutdown", 60.0)
+        worker.dist.destroy_process_group()
+        worker.watchdog.disarm()
+        return 0
+    except BaseException as exc:
+        traceback.print_exc(file=sys.stderr)
+        where = ""
+        if worker is not None and worker.current is not None:
+            index, point = worker.current
+            where = f"point {index} ({point.describe()}): "
+        text = f"{where}{exc}" if isinstance(exc, LostPeerError) else f"{where}{type(exc).__name__}: {exc}"
+        _fatal(run_dir, rank, f"rank {rank}: {text}")
+        if worker is not None and worker.current is not None and worker.sink is not None:
+            causes = _peer_fatal_messages(run_dir, rank, worker.world_size, PEER_FATAL_WAIT_S)
+            message = "; ".join(causes + [f"rank {rank}: {text}"])
+            worker._record_in_flight_failure(message[:MAX_ERROR_CHARS], prefix="")
+        return EXIT_FATAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

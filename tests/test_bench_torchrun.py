@@ -1,0 +1,253 @@
+"""The bench path end to end: torchrun, 2 gloo CPU ranks, the worker, the results file.
+
+Three real torchrun launches (a clean run; a failing point then a dying rank;
+a stuck point) plus launcher-only tests that stand a small fake process tree
+in for torchrun, so the kill and deadline paths are checked without torch
+start-up costs.
+"""
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from megamoe_cli.bench import launcher
+from megamoe_cli.bench.launcher import run_bench, terminate_run, worker_pids
+from megamoe_cli.bench.results import COLUMNS, append_rows, make_row, read_results
+from megamoe_cli.bench.sweep import load_sweep_text
+from megamoe_cli.bench.worker import TEST_CRASH_ENV, TEST_FAIL_ENV, TEST_HANG_ENV
+from megamoe_cli.errors import MegaMoEError
+
+SWEEP = """\
+name: torchrun_test
+shape: {preset: small}
+num_tokens: [1, [0, 4]]
+backends: [reference, torch]
+warmup: 1
+iters: 2
+check: true
+timeout_s: 60
+"""
+
+
+def sweep_points(text=SWEEP):
+    return load_sweep_text(text).points
+
+
+def no_survivors(run_dir, wait_s=5.0):
+    deadline = time.monotonic() + wait_s
+    pids = list(worker_pids(run_dir).values())
+    while time.monotonic() < deadline:
+        if not any(launcher._alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_clean_cpu_run_writes_every_column(tmp_path):
+    points = sweep_points()  # reference@1, torch@1, reference@[0,4], torch@[0,4]
+    events = []
+    out = tmp_path / "results.csv"
+    result = run_bench(points, 2, out, device="cpu", on_event=events.append, run_root=tmp_path)
+
+    assert result.ok, result.message
+    assert (result.device, result.nproc, result.num_points) == ("cpu", 2, 4)
+    assert result.run_dir is None and not list(tmp_path.glob("megamoe-bench-*"))
+
+    info = [e.message for e in events if e.kind == "info"]
+    assert info and "CPU" in info[0] and "gloo" in info[0]
+    assert [e.index for e in events if e.kind == "start"] == [0, 1, 2, 3]
+    assert [e.index for e in events if e.kind == "row"] == [0, 1, 2, 3]
+
+    frame = read_results(out)
+    assert list(frame.columns) == list(COLUMNS)
+    assert len(frame) == 4 and len(result.rows) == 4
+    assert set(frame["status"]) == {"ok"}
+    assert list(frame["backend"]) == ["reference", "torch", "reference", "torch"]
+    assert list(frame["num_tokens_min"]) == [1, 1, 0, 0]
+    assert list(frame["num_tokens_max"]) == [1, 1, 4, 4]
+    assert set(frame["world_size"]) == {2} and set(frame["device"]) == {"cpu"}
+    assert set(frame["run_id"]) == {result.run_id}
+    assert (frame["time_us_min"] > 0).all()
+    assert (frame["time_us_min"] <= frame["time_us_median"]).all()
+    assert (frame["time_us_median"] <= frame["time_us_max"]).all()
+    assert set(frame["slowest_rank"]) <= {0, 1}
+    # small preset, top-2: 1 token per rank -> 4 pairs; [0, 4] tokens -> 8 pairs.
+    assert list(frame["num_pairs"]) == [4, 4, 8, 8]
+    assert (frame["tflops"] > 0).all() and (frame["hbm_gbps"] > 0).all()
+    assert frame["floor_us"].isna().all()  # no GPU facts on CPU
+    assert (frame["rel_err"][frame["backend"] == "reference"] == 0).all()
+    assert (frame["rel_err"][frame["backend"] == "torch"] < 1e-2).all()
+    assert frame["inputs_copy_timed"].all()
+    assert set(frame["gpu"]) == {"cpu"} and frame["git_commit"].str.len().min() == 40
+    assert all(json.loads(c).get("dtype") == "fp8" for c in frame["config"][frame["backend"] == "torch"])
+
+
+def test_failed_point_continues_and_a_dying_rank_stops_the_run(tmp_path):
+    out = tmp_path / "results.csv"
+    old_point = sweep_points()[0]
+    append_rows(out, [make_row(old_point, run_id="earlier", world_size=2, device="cpu", env={}, status="ok")])
+    old_bytes = out.read_bytes()
+
+    points = sweep_points()
+    env = {TEST_FAIL_ENV: "1", TEST_CRASH_ENV: "3"}
+    started = time.monotonic()
+    result = run_bench(points, 2, out, device="cpu", env=env, run_root=tmp_path)
+    elapsed = time.monotonic() - started
+
+    assert not result.ok
+    assert elapsed < 60, f"a dead rank took {elapsed:.0f} s to bring the run down"
+    assert f"run stopped at point 3 of 4 ({points[3].describe()})" in result.message
+    assert "rank 1 exited with code 1" in result.message
+    assert result.run_dir is not None and (result.run_dir / "torchrun.log").exists()
+    assert no_survivors(result.run_dir)
+
+    assert out.read_bytes().startswith(old_bytes)
+    frame = read_results(out)
+    assert list(frame["run_id"][:1]) == ["earlier"]
+    mine = frame[frame["run_id"] == result.run_id]
+    assert list(mine["status"]) == ["ok", "failed", "ok", "failed"]
+    assert "rank 1: prepare: RuntimeError: injected failure" in mine["error"].iloc[1]
+    assert mine["time_us_median"].iloc[1] != mine["time_us_median"].iloc[1]  # NaN: nothing was timed
+    assert "exiting at point 3" in mine["error"].iloc[3]
+    assert [r["status"] for r in result.rows] == ["ok", "failed", "ok", "failed"]
+
+
+def test_stuck_point_fails_within_its_timeout(tmp_path):
+    points = sweep_points(SWEEP.replace("timeout_s: 60", "timeout_s: 4"))[:2]
+    out = tmp_path / "results.jsonl"
+    started = time.monotonic()
+    result = run_bench(points, 2, out, device="cpu", env={TEST_HANG_ENV: "0"}, run_root=tmp_path)
+    elapsed = time.monotonic() - started
+
+    assert not result.ok
+    assert elapsed < 45, f"a stuck point held the run for {elapsed:.0f} s"
+    assert "run stopped at point 0 of 2" in result.message
+    assert "did not finish within 4 s" in result.message
+    assert "1 later point(s) not run" in result.message
+    assert no_survivors(result.run_dir)
+    frame = read_results(out)
+    assert list(frame["status"]) == ["failed"]
+    assert "did not finish within 4 s" in frame["error"][0]
+
+
+def test_points_are_checked_against_the_world_size_before_launch(tmp_path):
+    uneven = sweep_points()[2]  # num_tokens [0, 4]
+    with pytest.raises(MegaMoEError, match=r"point 0 \(reference small num_tokens=\[0, 4\]\): num_tokens gives 2"):
+        run_bench([uneven], 4, tmp_path / "r.csv", device="cpu")
+    three = sweep_points()[:1]
+    with pytest.raises(MegaMoEError, match="num_experts=8 must be divisible by num_ranks=3"):
+        run_bench(three, 3, tmp_path / "r.csv", device="cpu")
+    with pytest.raises(MegaMoEError, match="nothing to run"):
+        run_bench([], 2, tmp_path / "r.csv", device="cpu")
+    with pytest.raises(MegaMoEError, match="unknown results format"):
+        run_bench(three, 2, tmp_path / "r.txt", device="cpu")
+    with pytest.raises(MegaMoEError, match="device must be auto, cuda or cpu"):
+        run_bench(three, 2, None, device="tpu")
+    assert not list(tmp_path.glob("megamoe-bench-*"))
+
+
+def test_run_environment_sets_the_multicast_switches_and_package_path(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    env = launcher.run_environment({"EXTRA": "x"})
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert env["EXTRA"] == "x"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(launcher.PACKAGE_ROOT)
+    cmd = launcher.torchrun_command(2, "plan.json", "rows.jsonl", "dir")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[cmd.index("-m", 3) + 1] == "megamoe_cli.bench.worker"
+
+
+# A stand-in for torchrun: starts "ranks" in their own sessions (as torchrun does)
+# that record their PIDs the way the worker does, and ignore SIGTERM.
+FAKE_TORCHRUN = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    run_dir, mode = sys.argv[1], sys.argv[2]
+    rank_code = '''
+    import json, os, signal, sys, time
+    run_dir, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(os.path.join(run_dir, "rank%d.pid" % rank), "w") as f:
+        json.dump({"pid": os.getpid(), "rank": rank}, f)
+    if mode == "one_dies" and rank == 1:
+        time.sleep(0.5)
+        os._exit(1)
+    time.sleep(600)
+    '''
+    children = [subprocess.Popen([sys.executable, "-c", rank_code, run_dir, str(r), mode], start_new_session=True)
+                for r in range(2)]
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "one_dies":
+        children[1].wait()
+    time.sleep(600)
+    """
+)
+
+
+@pytest.fixture
+def fake_torchrun(tmp_path, monkeypatch):
+    script = tmp_path / "fake_torchrun.py"
+    script.write_text(FAKE_TORCHRUN)
+
+    def use(mode):
+        monkeypatch.setattr(
+            launcher, "torchrun_command",
+            lambda nproc, plan, rows, run_dir: [sys.executable, str(script), str(run_dir), mode],
+        )
+
+    return use
+
+
+def test_ranks_that_never_start_are_stopped_at_the_startup_deadline(tmp_path, fake_torchrun):
+    fake_torchrun("hang")
+    started = time.monotonic()
+    result = run_bench(
+        sweep_points()[:1], 2, tmp_path / "r.csv", device="cpu",
+        startup_timeout_s=2, grace_s=1, run_root=tmp_path,
+    )
+    assert time.monotonic() - started < 20
+    assert not result.ok
+    assert "the ranks did not start within 2 s" in result.message
+    assert len(worker_pids(result.run_dir)) == 2
+    assert no_survivors(result.run_dir)
+    assert [r["status"] for r in read_results(tmp_path / "r.csv").to_dict("records")] == ["failed"]
+
+
+def test_a_rank_that_vanishes_brings_the_run_down(tmp_path, fake_torchrun):
+    fake_torchrun("one_dies")
+    started = time.monotonic()
+    result = run_bench(sweep_points()[:2], 2, None, device="cpu", grace_s=1, run_root=tmp_path)
+    assert time.monotonic() - started < 20
+    assert not result.ok
+    assert "run stopped at point 0 of 2" in result.message
+    assert "a rank stopped and the others did not finish" in result.message
+    assert no_survivors(result.run_dir)
+
+
+def test_overall_timeout(tmp_path, fake_torchrun):
+    fake_torchrun("hang")
+    result = run_bench(sweep_points()[:1], 2, None, device="cpu", timeout_s=1.5, grace_s=1, run_root=tmp_path)
+    assert "the run exceeded its timeout of 1.5 s" in result.message
+    assert no_survivors(result.run_dir)
+
+
+def test_terminate_run_kills_processes_that_ignore_sigterm(tmp_path):
+    import subprocess
+
+    script = tmp_path / "fake_torchrun.py"
+    script.write_text(FAKE_TORCHRUN)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), "hang"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(worker_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = list(worker_pids(tmp_path).values())
+    assert len(pids) == 2 and all(launcher._alive(p) for p in pids)
+    terminate_run(proc, tmp_path, grace_s=0.5)
+    assert proc.poll() is not None
+    assert no_survivors(tmp_path)
