@@ -251,3 +251,50 @@ def test_terminate_run_kills_processes_that_ignore_sigterm(tmp_path):
     terminate_run(proc, tmp_path, grace_s=0.5)
     assert proc.poll() is not None
     assert no_survivors(tmp_path)
+
+
+# Pieces of the worker that need no process group.
+
+
+def test_time_calls_barrier_precedes_every_timed_call_and_flush_stays_outside():
+    from megamoe_cli.bench.timing import Stats, time_calls
+
+    log = []
+    results = []
+
+    def call():
+        log.append("call")
+        time.sleep(0.002)
+        return len(log)
+
+    times = time_calls(
+        call, warmup=2, iters=3, device="cpu",
+        barrier=lambda: log.append("barrier"), flush=lambda: log.append("flush"), on_result=results.append,
+    )
+    assert log == ["call", "call"] + ["flush", "barrier", "call"] * 3
+    assert len(times) == 3 and all(t >= 2000 for t in times)
+    assert results == [len(log)]
+    stats = Stats.of([5.0, 1.0, 3.0])
+    assert (stats.median_us, stats.min_us, stats.max_us) == (3.0, 1.0, 5.0)
+
+
+def test_relative_error():
+    import torch
+
+    from megamoe_cli.bench.worker import relative_error
+
+    ref = torch.tensor([[3.0, 4.0]])
+    assert relative_error(ref.bfloat16(), ref) == 0.0
+    assert relative_error(torch.tensor([[3.0, 5.0]]), ref) == pytest.approx(1 / 5)
+    assert relative_error(torch.zeros(0, 2), torch.zeros(0, 2)) == 0.0
+    assert relative_error(torch.ones(1, 2), torch.zeros(1, 2)) == float("inf")
+    with pytest.raises(ValueError, match="differs from the reference"):
+        relative_error(torch.zeros(2, 2), ref)
+
+
+def test_per_rank_errors_are_merged_naming_the_ranks():
+    from megamoe_cli.bench.worker import _merge_errors
+
+    assert _merge_errors([None, "prepare: X"]) == "rank 1: prepare: X"
+    assert _merge_errors(["prepare: X", "prepare: X"]) == "all ranks: prepare: X"
+    assert _merge_errors(["timing: A", None, "timing: A", "check: B"]) == "rank 0,2: timing: A; rank 3: check: B"

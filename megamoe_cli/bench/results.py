@@ -10,6 +10,7 @@ to a temporary file that atomically replaces the old one.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import math
@@ -188,13 +189,10 @@ def file_format(path: Union[str, Path]) -> str:
             f"{path}: unknown results format {suffix or '(no extension)'!r}; "
             f"expected one of {', '.join(FORMATS)}"
         )
-    if FORMATS[suffix] == "parquet":
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise MegaMoEError(
-                f"{path}: writing Parquet needs pyarrow (pip install pyarrow); use .csv or .jsonl instead"
-            ) from None
+    if FORMATS[suffix] == "parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise MegaMoEError(
+            f"{path}: writing Parquet needs pyarrow (pip install pyarrow); use .csv or .jsonl instead"
+        )
     return FORMATS[suffix]
 
 
@@ -430,16 +428,14 @@ SUMMARY_COLUMNS = (
 
 def with_speedup(frame):
     """Add ``speedup_vs_torch``: the torch (FP8) time of the same problem in the same run / this row's time."""
-    import pandas as pd
-
     frame = frame.copy()
     key = list(PROBLEM_COLUMNS)
     base = frame[(frame["backend"] == BASELINE_BACKEND) & (frame["status"] == STATUS_OK)]
     base = base.groupby(key, dropna=False)["time_us_median"].min().rename("_baseline_us").reset_index()
-    merged = frame.reset_index().merge(base, on=key, how="left").set_index("index")
-    ok = merged["status"] == STATUS_OK
-    speedup = merged["_baseline_us"] / merged["time_us_median"]
-    frame["speedup_vs_torch"] = speedup.where(ok).astype("float64").reindex(frame.index)
+    # A left merge keeps the left rows' order, so the result lines up with `frame` by position.
+    merged = frame[key + ["status", "time_us_median"]].merge(base, on=key, how="left", validate="many_to_one")
+    speedup = (merged["_baseline_us"] / merged["time_us_median"]).where(merged["status"] == STATUS_OK)
+    frame["speedup_vs_torch"] = speedup.astype("float64").to_numpy()
     return frame
 
 
