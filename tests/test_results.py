@@ -118,6 +118,11 @@ def test_csv_with_other_columns_is_extended_keeping_old_cells(tmp_path):
     frame = read_results(path)
     assert list(frame["backend"]) == ["torch", "torch"]
     assert frame["time_us_median"][1] == 7.0
+    # Now a superset of the schema: later appends go to the end in the file's own column order.
+    before = path.read_bytes()
+    append_rows(path, [ok_row(points()[0], 9.0)])
+    assert path.read_bytes().startswith(before)
+    assert list(read_results(path)["time_us_median"])[1:] == [7.0, 9.0]
 
 
 def test_a_file_that_is_not_a_results_file_is_refused(tmp_path):

@@ -1,7 +1,26 @@
 """The result schema (the one owner of column names) and the results store.
 
-One row per (run, point).  Files are chosen by extension: ``.csv`` (default),
-``.jsonl`` or ``.parquet`` (needs pyarrow).  Appending never rewrites rows that
+One row per (run, point).  Columns whose meaning is not in their name:
+
+- ``num_tokens``: tokens per rank; when ranks differ it is the largest, with
+  ``num_tokens_min`` / ``num_tokens_max`` giving the spread.
+- ``config``: JSON of what the backend reports it used; ``block_m`` from it.
+- ``time_us_*``: median / min / max over the timed calls of the slowest rank
+  (the rank with the largest median, ``slowest_rank``): the layer's time.
+- ``inputs_copy_timed``: copying the inputs into the backend's communication
+  buffers is inside the timed region.
+- ``tflops``, ``hbm_gbps``, ``nvlink_gbps``: per GPU, from the modelled work
+  and bytes (``bench.metrics``) over the layer time.
+- ``floor_us``: roofline floor of the layer on this GPU (``floor_bound``: the
+  term that sets it); ``floor_fraction = floor_us / time_us_median``, 1.0 is
+  the roofline.  Empty on CPU.
+- ``rel_err``: ``||y - y_ref|| / ||y_ref||`` against the distributed reference,
+  the worst rank; empty when the point ran without ``check``.
+- ``run_id``: one ``megamoe bench`` invocation; rows of one run compare
+  directly (``speedup_vs_torch`` in the summary view).
+
+Files are chosen by extension: ``.csv`` (default), ``.jsonl`` or ``.parquet``
+(needs pyarrow).  Appending never rewrites rows that
 are already there in place: CSV and JSON Lines are appended to (one write per
 batch, flushed and fsync'd); Parquet, which cannot be appended to, is rewritten
 to a temporary file that atomically replaces the old one.
@@ -302,7 +321,7 @@ def append_rows(path: Union[str, Path], rows: Sequence[Row]) -> None:
 
 def _append_csv(path: Path, rows: Sequence[Row], exists: bool) -> None:
     header = _csv_header(path) if exists else list(COLUMNS)
-    if exists and header != list(COLUMNS):
+    if not set(COLUMNS) <= set(header):
         _rewrite_csv_with_union(path, header, rows)
         return
     buf = io.StringIO()
@@ -312,7 +331,7 @@ def _append_csv(path: Path, rows: Sequence[Row], exists: bool) -> None:
     if not exists:
         writer.writerow(COLUMNS)
     for row in rows:
-        writer.writerow([_csv_cell(row.get(k)) for k in COLUMNS])
+        writer.writerow([_csv_cell(row.get(k)) for k in header])
     _append_bytes(path, buf.getvalue().encode())
 
 
