@@ -43,6 +43,16 @@ case "$MODE" in
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,torch --out "$OUT/bench.csv"
     run bench_seed 300 python3 -m megamoe_cli bench --preset seed-default --tokens 128,8192 --backend fused,torch --out "$OUT/bench.csv"
     ;;
+  profile)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,64:3,128:3,128:2
+    for case in "prefill 16384 128:3" "decode 64 64:4"; do
+      set -- $case
+      run "ncu_$1" 240 "$NCU" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis -k megamoe_kernel \
+        --launch-skip 2 --launch-count 1 python3 scripts/profile_fused.py --tokens "$2" --configs "$3" --iters 1 --warmup 1
+    done
+    ;;
   *)
     echo "unknown mode $MODE"; exit 2 ;;
 esac

@@ -60,12 +60,12 @@ def test_expansion_order_and_block_m_only_on_fused():
     assert sweep.points[2].config == {}
 
 
-def test_defaults_and_num_max_tokens_default_to_largest_num_tokens():
+def test_defaults_and_num_max_tokens_default_to_each_points_num_tokens():
     sweep = load_sweep_text(BASE)
     p = sweep.points[0]
     assert (p.hidden, p.intermediate, p.num_experts, p.num_topk) == (512, 256, 8, 2)
     assert p.preset == "small"
-    assert p.num_max_tokens_per_rank == 4
+    assert {(q.num_tokens, q.num_max_tokens_per_rank) for q in sweep.points} == {(1, 1), (4, 4)}
     assert (p.warmup, p.iters, p.seed, p.check, p.flush_l2, p.routing) == (5, 20, 0, True, False, "random")
 
 

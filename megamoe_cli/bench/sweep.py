@@ -406,7 +406,8 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
                 f"must be at least the largest num_tokens ({max_tokens}), got {num_max}",
             )
     else:
-        num_max = max(max_tokens, 1)
+        # Each point gets a buffer sized for its own call, as a deployment sizes it for its batch.
+        num_max = None
 
     routing = check.string(doc.get("routing", DEFAULTS["routing"]), ("routing",))
     from ..problem import ROUTINGS
@@ -442,7 +443,7 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
                                     num_experts=variant.num_experts,
                                     num_topk=variant.num_topk,
                                     num_tokens=num_tokens,
-                                    num_max_tokens_per_rank=num_max,
+                                    num_max_tokens_per_rank=num_max or max(_max_tokens(num_tokens), 1),
                                     backend=backend,
                                     block_m=block_m,
                                     preset=variant_preset,
