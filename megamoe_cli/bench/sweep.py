@@ -10,6 +10,7 @@ sweep from command-line flags, so both paths give the same points::
     num_tokens: [1, 8, 64, 128]          # per rank; an entry may be a per-rank list [0, 16]
     backends: [fused, torch]
     block_m: [32, 64]                    # fused only
+    num_max_tokens_per_rank: 8192        # buffer capacity; default: each point's own num_tokens
     check: true
 
 Points are expanded shape-major, then num_experts, num_topk, num_tokens,
