@@ -298,3 +298,17 @@ def test_per_rank_errors_are_merged_naming_the_ranks():
     assert _merge_errors([None, "prepare: X"]) == "rank 1: prepare: X"
     assert _merge_errors(["prepare: X", "prepare: X"]) == "all ranks: prepare: X"
     assert _merge_errors(["timing: A", None, "timing: A", "check: B"]) == "rank 0,2: timing: A; rank 3: check: B"
+
+
+def test_auto_device_without_a_gpu_says_it_runs_two_cpu_ranks():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    kind, ranks, note = launcher.resolve_device("auto", None)
+    assert (kind, ranks) == ("cpu", 2)
+    assert note.startswith("no CUDA device found, so running 2 CPU rank(s) with gloo")
+    with pytest.raises(MegaMoEError, match="torch sees no CUDA device"):
+        launcher.resolve_device("cuda", None)
+    with pytest.raises(MegaMoEError, match="nproc must be a positive integer, got 0"):
+        launcher.resolve_device("cpu", 0)
