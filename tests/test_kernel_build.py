@@ -1,0 +1,71 @@
+"""CPU tier: every fused-kernel variant the heuristics can choose compiles for sm_90a without spills.
+
+Variants differ by shape, rank count, block_m and pipeline depth (the token capacity only enters
+index arithmetic, so one capacity stands for all).  Builds go through the JIT (ninja, parallel,
+content-hashed cache), so a rerun only pays for what changed.
+"""
+
+import shutil
+
+import pytest
+
+from megamoe_cli.heuristics import default_config
+from megamoe_cli.jit import KernelSource, build
+from megamoe_cli.kernel_source import (
+    KERNEL_NAME,
+    MAX_SMEM_BYTES,
+    SUPPORTED_BLOCK_M,
+    SUPPORTED_STAGES,
+    Variant,
+    csrc_dir,
+    generate_source,
+    smem_bytes,
+)
+from megamoe_cli.layout import PRESETS
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+RANKS = (1, 2, 4, 8)
+TOKENS = (1, 128, 1024, 8192)
+
+
+def chosen_variants():
+    """The variants `default_config` picks for every preset, rank count and token regime."""
+    seen = {}
+    for shape in PRESETS.values():
+        for ranks in RANKS:
+            if shape.num_experts % ranks:
+                continue
+            for tokens in TOKENS:
+                config = default_config(shape, ranks, tokens, "H200")
+                v = Variant(shape, ranks, 4096, config["block_m"], config["num_stages"])
+                seen[v.name] = v
+    return list(seen.values())
+
+
+def test_default_choices_cover_every_block_m_and_fit_shared_memory():
+    variants = chosen_variants()
+    assert {v.block_m for v in variants} == set(SUPPORTED_BLOCK_M)
+    for v in variants:
+        v.validate()
+        assert smem_bytes(v) <= MAX_SMEM_BYTES
+
+
+def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
+    variants = chosen_variants()
+    # Every supported depth of one shape too, so a tuner's candidates are covered.
+    shape = PRESETS["deepseek-v3"]
+    for block_m in SUPPORTED_BLOCK_M:
+        for stages in SUPPORTED_STAGES:
+            v = Variant(shape, 2, 4096, block_m, stages)
+            if smem_bytes(v) <= MAX_SMEM_BYTES:
+                variants.append(v)
+    sources = [KernelSource(v.name, generate_source(v), include_dirs=(str(csrc_dir()),)) for v in variants]
+    built = build(sources)
+    assert len(built) == len(variants)
+    for v, kernel in zip(variants, built):
+        entry = kernel.report[KERNEL_NAME]
+        assert not entry.has_spills, f"{v.name}: {kernel.report.summary()}"
+        assert entry.stack_frame_bytes == 0, f"{v.name}: {kernel.report.summary()}"
+        assert 0 < entry.registers <= 168, f"{v.name}: {entry.registers} registers"
+        assert kernel.cubin_path.stat().st_size > 0
