@@ -101,7 +101,10 @@ class SymmBuffer:
             MoEShape(hidden=hidden, intermediate=intermediate, num_experts=num_experts, num_topk=num_topk),
             block_m,
         )
+        KernelConfig(block_m=block_m).validate()
         self.layout: BufferLayout = build_layout(self.config)
+        if device is None and not torch.cuda.is_available():
+            raise MegaMoEError("SymmBuffer needs a CUDA device, but torch sees none")
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if self.device.type != "cuda":
             raise MegaMoEError(f"SymmBuffer needs a CUDA device, got {self.device}")
@@ -171,6 +174,9 @@ def transform_weights_for_mega_moe(
     ``[E, 2I/128, H/128, 2]``: for each interleaved 128-row block, the scale of its 64 gate
     rows and of its 64 up rows.  L2 ``[E, H, I]`` and its scales ``[E, H/128, I/128]`` are kept.
     """
+    for name, pair in (("l1", l1), ("l2", l2)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
+            raise MegaMoEError(f"{name} must be a (weight, scales) pair of tensors, got {type(pair).__name__}")
     w1, w1_sf = l1
     w2, w2_sf = l2
     if w1.dim() != 3 or w2.dim() != 3:
@@ -189,6 +195,11 @@ def transform_weights_for_mega_moe(
                            ("w1 scales", w1_sf, torch.float32), ("w2 scales", w2_sf, torch.float32)):
         if t.dtype != dtype:
             raise MegaMoEError(f"{name} must be {dtype}, got {t.dtype}")
+    if len({w1.device, w1_sf.device, w2.device, w2_sf.device}) > 1:
+        raise MegaMoEError(
+            f"expert weights and scales must be on one device, got w1 on {w1.device}, w1 scales on {w1_sf.device}, "
+            f"w2 on {w2.device}, w2 scales on {w2_sf.device}"
+        )
     w1_t = w1.view(torch.uint8).view(e, 2, i // 8, 8, h).permute(0, 2, 1, 3, 4).reshape(e, two_i, h)
     w1_t = w1_t.contiguous().view(torch.float8_e4m3fn)
     gate_sf = w1_sf[:, : i // 128].repeat_interleave(2, dim=1)
@@ -288,6 +299,8 @@ def mega_moe(
     s = cfg.shape
     e_local = cfg.num_experts_per_rank
     config = config or KernelConfig(block_m=cfg.block_m)
+    if not isinstance(config, KernelConfig):
+        raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
     variant = variant_for(cfg, config)
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise MegaMoEError(f"mega_moe: y must be a 2-D [num_tokens, {s.hidden}] tensor, got {getattr(y, 'shape', y)!r}")
