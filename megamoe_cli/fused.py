@@ -27,6 +27,7 @@ from .kernel_source import (
     csrc_dir,
     generate_source,
     pack_params,
+    param_offset,
     smem_bytes,
     variant_for,
 )
@@ -172,7 +173,11 @@ def transform_weights_for_mega_moe(
     L1 ``[E, 2I, H]`` (gate rows then up rows) becomes gate/up interleaved by 8 rows, so one
     accumulator fragment holds matching gate and up columns; its scales become
     ``[E, 2I/128, H/128, 2]``: for each interleaved 128-row block, the scale of its 64 gate
-    rows and of its 64 up rows.  L2 ``[E, H, I]`` and its scales ``[E, H/128, I/128]`` are kept.
+    rows and of its 64 up rows.  L2 scales ``[E, H/128, I/128]`` are kept.
+
+    Both weights are then stored tile by tile, ``[E, N/256, K/128, 256, 128]``: the 32 KiB the
+    kernel loads per pipeline stage (256 output rows x one 128-wide K block) is contiguous, so
+    weight streaming reads whole DRAM pages instead of 128-byte pieces 7 KiB apart.
     """
     for name, pair in (("l1", l1), ("l2", l2)):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
@@ -200,12 +205,20 @@ def transform_weights_for_mega_moe(
             f"expert weights and scales must be on one device, got w1 on {w1.device}, w1 scales on {w1_sf.device}, "
             f"w2 on {w2.device}, w2 scales on {w2_sf.device}"
         )
+    if h % 256:
+        raise MegaMoEError(f"the fused kernel needs hidden to be a multiple of 256, got {h}")
     w1_t = w1.view(torch.uint8).view(e, 2, i // 8, 8, h).permute(0, 2, 1, 3, 4).reshape(e, two_i, h)
-    w1_t = w1_t.contiguous().view(torch.float8_e4m3fn)
     gate_sf = w1_sf[:, : i // 128].repeat_interleave(2, dim=1)
     up_sf = w1_sf[:, i // 128 :].repeat_interleave(2, dim=1)
     w1_sf_t = torch.stack([gate_sf, up_sf], dim=-1).contiguous()
-    return ExpertWeights(w1_t, w1_sf_t), ExpertWeights(w2.contiguous(), w2_sf.contiguous())
+    return (ExpertWeights(_tile(w1_t), w1_sf_t), ExpertWeights(_tile(w2.view(torch.uint8)), w2_sf.contiguous()))
+
+
+def _tile(w: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K]`` bytes -> ``[E, N/256, K/128, 256, 128]`` FP8 (one pipeline stage contiguous)."""
+    e, n, k = w.shape
+    tiled = w.reshape(e, n // 256, 256, k // 128, 128).permute(0, 1, 3, 2, 4).contiguous()
+    return tiled.view(torch.float8_e4m3fn)
 
 
 class _Kernel:
@@ -259,14 +272,11 @@ def _tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m:
     return {
         "tmap_l1_a": encode_tensor_map_2d("u8", base + off["l1_pool"], (s.hidden, P), s.hidden, (128, block_m), "128b", name="l1_pool"),
         "tmap_l1_sfa": encode_tensor_map_2d("f32", base + off["l1_pool_sf"], (P, s.hidden // 128), P * 4, (block_m, 1), "none", name="l1_pool_sf"),
-        "tmap_l1_b": encode_tensor_map_2d("u8", l1.weight.data_ptr(), (s.hidden, e_local * 2 * s.intermediate), s.hidden, (128, 256), "128b", name="w1"),
+        "tmap_l1_b": encode_tensor_map_2d("u8", l1.weight.data_ptr(), (128, l1.weight.numel() // 128), 128, (128, 256), "128b", name="w1"),
         "tmap_l2_a": encode_tensor_map_2d("u8", base + off["l2_pool"], (s.intermediate, P), s.intermediate, (128, block_m), "128b", name="l2_pool"),
         "tmap_l2_sfa": encode_tensor_map_2d("f32", base + off["l2_pool_sf"], (P, s.intermediate // 128), P * 4, (block_m, 1), "none", name="l2_pool_sf"),
-        "tmap_l2_b": encode_tensor_map_2d("u8", l2.weight.data_ptr(), (s.intermediate, e_local * s.hidden), s.intermediate, (128, 256), "128b", name="w2"),
+        "tmap_l2_b": encode_tensor_map_2d("u8", l2.weight.data_ptr(), (128, l2.weight.numel() // 128), 128, (128, 256), "128b", name="w2"),
     }
-
-
-_LAUNCH_CACHE: Dict[tuple, Tuple[Dict[str, bytes], "_Kernel"]] = {}
 
 
 def timeout_ns() -> int:
@@ -278,6 +288,57 @@ def timeout_ns() -> int:
     if seconds <= 0:
         raise MegaMoEError(f"{ENV_TIMEOUT} must be positive, got {raw!r}")
     return int(seconds * 1e9)
+
+
+@dataclass
+class _LaunchPlan:
+    """Everything about a launch that does not change between calls with the same buffer,
+    weights and config: checked once, so a call only checks ``y`` and packs two words."""
+
+    kernel: _Kernel
+    grid: Tuple[int, int, int]
+    params: bytearray
+    y_offset: int
+    num_tokens_offset: int
+
+    def launch(self, y: torch.Tensor, num_tokens: int, stream: int) -> None:
+        struct.pack_into("<Q", self.params, self.y_offset, y.data_ptr())
+        struct.pack_into("<Q", self.params, self.num_tokens_offset, num_tokens)
+        self.kernel.function.launch(self.grid, (NUM_THREADS, 1, 1), self.kernel.smem_bytes, stream, bytes(self.params))
+
+
+_PLANS: Dict[tuple, _LaunchPlan] = {}
+
+
+def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> _LaunchPlan:
+    cfg = buf.config
+    s = cfg.shape
+    e_local = cfg.num_experts_per_rank
+    device = buf.device
+    variant = variant_for(cfg, config)
+    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
+        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
+    _check_tensor("l1 weight", l1.weight, torch.float8_e4m3fn,
+                  (e_local, 2 * s.intermediate // 256, s.hidden // 128, 256, 128), device)
+    _check_tensor("l1 scales", l1.scale, torch.float32, (e_local, 2 * s.intermediate // 128, s.hidden // 128, 2), device)
+    _check_tensor("l2 weight", l2.weight, torch.float8_e4m3fn,
+                  (e_local, s.hidden // 256, s.intermediate // 128, 256, 128), device)
+    _check_tensor("l2 scales", l2.scale, torch.float32, (e_local, s.hidden // 128, s.intermediate // 128), device)
+    kernel = get_kernel(variant, device)
+    tail = {
+        "w1_sf": l1.scale.data_ptr(),
+        "w2_sf": l2.scale.data_ptr(),
+        "y": 0,
+        "num_tokens": 0,
+        "rank": buf.rank,
+        "num_max_pool_tokens": cfg.num_max_pool_tokens,
+        "timeout_ns": timeout_ns(),
+        "diag": buf.diag.data_ptr(),
+    }
+    params = bytearray(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m), buf.buffer.data_ptr(), buf.peer_deltas,
+                                   buf.layout, tail))
+    num_sms = config.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+    return _LaunchPlan(kernel, (num_sms, 1, 1), params, param_offset("y"), param_offset("num_tokens"))
 
 
 def mega_moe(
@@ -296,55 +357,28 @@ def mega_moe(
     if not isinstance(buf, SymmBuffer):
         raise MegaMoEError(f"mega_moe: buf must be a SymmBuffer, got {type(buf).__name__}")
     cfg = buf.config
-    s = cfg.shape
-    e_local = cfg.num_experts_per_rank
     config = config or KernelConfig(block_m=cfg.block_m)
     if not isinstance(config, KernelConfig):
         raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
-    variant = variant_for(cfg, config)
+    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
+        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
+    # Addresses, shapes and dtypes (not object ids, which are reused) identify a validated plan.
+    key = (id(buf), cfg, buf.buffer.data_ptr(), tuple(buf.peer_deltas), config, os.environ.get(ENV_TIMEOUT),
+           *((t.data_ptr(), t.shape, t.dtype) for t in (l1.weight, l1.scale, l2.weight, l2.scale)))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(buf, l1, l2, config)
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        raise MegaMoEError(f"mega_moe: y must be a 2-D [num_tokens, {s.hidden}] tensor, got {getattr(y, 'shape', y)!r}")
+        raise MegaMoEError(
+            f"mega_moe: y must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(y, 'shape', y)!r}"
+        )
     num_tokens = y.shape[0]
     if num_tokens > cfg.num_max_tokens_per_rank:
         raise MegaMoEError(
             f"mega_moe: num_tokens={num_tokens} exceeds the buffer's num_max_tokens_per_rank={cfg.num_max_tokens_per_rank}"
         )
-    device = buf.device
-    _check_tensor("y", y, torch.bfloat16, (num_tokens, s.hidden), device)
-    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
-        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
-    _check_tensor("l1 weight", l1.weight, torch.float8_e4m3fn, (e_local, 2 * s.intermediate, s.hidden), device)
-    _check_tensor("l1 scales", l1.scale, torch.float32, (e_local, 2 * s.intermediate // 128, s.hidden // 128, 2), device)
-    _check_tensor("l2 weight", l2.weight, torch.float8_e4m3fn, (e_local, s.hidden, s.intermediate), device)
-    _check_tensor("l2 scales", l2.scale, torch.float32, (e_local, s.hidden // 128, s.intermediate // 128), device)
-
-    key = (id(buf), buf.buffer.data_ptr(), l1.weight.data_ptr(), l1.scale.data_ptr(), l2.weight.data_ptr(),
-           l2.scale.data_ptr(), variant)
-    cached = _LAUNCH_CACHE.get(key)
-    if cached is None:
-        cached = (_tensor_maps(buf, l1, l2, cfg.block_m), get_kernel(variant, device))
-        _LAUNCH_CACHE[key] = cached
-    tmaps, kernel = cached
-    params = pack_params(
-        tmaps,
-        buf.buffer.data_ptr(),
-        buf.peer_deltas,
-        buf.layout,
-        {
-            "w1_sf": l1.scale.data_ptr(),
-            "w2_sf": l2.scale.data_ptr(),
-            "y": y.data_ptr(),
-            "num_tokens": num_tokens,
-            "rank": buf.rank,
-            "num_max_pool_tokens": cfg.num_max_pool_tokens,
-            "timeout_ns": timeout_ns(),
-            "diag": buf.diag.data_ptr(),
-        },
-    )
-    num_sms = config.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
-    kernel.function.launch(
-        (num_sms, 1, 1), (NUM_THREADS, 1, 1), kernel.smem_bytes, torch.cuda.current_stream(device).cuda_stream, params
-    )
+    _check_tensor("y", y, torch.bfloat16, (num_tokens, cfg.shape.hidden), buf.device)
+    plan.launch(y, num_tokens, torch.cuda.current_stream(buf.device).cuda_stream)
     return y
 
 

@@ -160,6 +160,12 @@ def params_size() -> int:
     return (raw + 127) // 128 * 128
 
 
+def param_offset(name: str) -> int:
+    """Byte offset of a tail field inside ``struct Params``."""
+    base = len(TMAP_FIELDS) * TMAP_BYTES + 8 * (1 + MAX_RANKS + len(OFFSET_SEGMENTS))
+    return base + 8 * TAIL_FIELDS.index(name)
+
+
 def pack_params(
     tmaps: Dict[str, bytes],
     buffer_ptr: int,

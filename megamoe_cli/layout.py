@@ -189,7 +189,8 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
     "grid_sync": (
         "local CTAs (atomic add, release)",
         "local CTAs (acquire spin)",
-        "never: monotonic counters [0]=dispatch barrier, [1]=epilogue barrier, [2]=call epoch",
+        "[0,1] dispatch and [2,3] epilogue grid barriers (arrivals return to 0, generations grow), "
+        "[4] call epoch (grows), [5] tile counter (zeroed by the kernel's cleanup phase)",
     ),
     "rank_flags": (
         "peer r stores slot r (st.release.sys, monotonic epoch)",

@@ -43,6 +43,12 @@ case "$MODE" in
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,torch --out "$OUT/bench.csv"
     run bench_seed 300 python3 -m megamoe_cli bench --preset seed-default --tokens 128,8192 --backend fused,torch --out "$OUT/bench.csv"
     ;;
+  iterate)
+    export MEGAMOE_GPU_QUICK=1
+    run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
+    run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,128:3
+    run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"
+    ;;
   profile)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,64:3,128:3,128:2

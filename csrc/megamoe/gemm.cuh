@@ -16,6 +16,7 @@ struct SharedStorage {
     float row_amax[2][64];
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
+    uint32_t stage_tile[kNumStages];
     Schedule schedule;
 };
 
@@ -32,8 +33,6 @@ __device__ __forceinline__ uint32_t num_tiles(const Schedule& s) {
 
 // Tiles: all L1 tiles, then all L2 tiles; inside a layer, expert-major, then N tile,
 // then M block, so CTAs working at the same time share the expert's B tile in L2.
-// NOTES: CTA c runs tiles c, c + G, ... in order and every L2 tile only waits for L1
-// tiles, which precede all L2 tiles, so the waits cannot form a cycle.
 __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t) {
     Tile tile;
     const uint32_t num_l1 = s.num_blocks() * kNumL1NTiles;
@@ -50,15 +49,32 @@ __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t) {
     return tile;
 }
 
-// TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams
-// A, A scales and B through the stage ring.
+constexpr uint32_t kNoMoreTiles = 0xffffffffu;
+
+// TMA producer (one thread).  Tiles are handed out by one atomic counter per rank, so the
+// tiles in flight across the GPU always form one contiguous window of the tile order:
+// CTAs working on the same expert's B tile stay close in time and share it in L2.
+// Waits until a tile's rows are in the pool, then streams A, A scales and B through the
+// stage ring; every stage carries its tile id, and a stage without data ends the loop.
+// NOTES: tiles are taken in increasing order and each CTA finishes them in the order it
+// took them; an L2 tile only waits for L1 tiles, which were all taken before it, so the
+// waits cannot form a cycle.
 __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss) {
     const Schedule& s = ss.schedule;
     const uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
     const uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
+    uint32_t* tile_counter = reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5);
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
-    for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+    while (true) {
+        const uint32_t t = atomicAdd(tile_counter, 1u);
+        if (t >= total) {
+            const uint32_t stage = it % kNumStages;
+            mbar_wait(p, &ss.empty[stage], ((it / kNumStages) & 1) ^ 1);
+            ss.stage_tile[stage] = kNoMoreTiles;
+            ptx::mbar_arrive(&ss.full[stage]);
+            return;
+        }
         const Tile tile = decode_tile(s, t);
         // Wait until the tile's A rows landed
         const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
@@ -75,16 +91,19 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         const CUtensorMap* tmap_sfa = tile.is_l2 ? &p.tmap_l2_sfa : &p.tmap_l1_sfa;
         const CUtensorMap* tmap_b = tile.is_l2 ? &p.tmap_l2_b : &p.tmap_l1_b;
         const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
-        const uint32_t b_row = tile.expert * (tile.is_l2 ? kHidden : 2 * kIntermediate) + tile.n * kBlockN;
+        // Weights are stored stage by stage: [expert][n tile][k block][256 rows][128 bytes]
+        const uint32_t num_n = tile.is_l2 ? kNumL2NTiles : kNumL1NTiles;
+        const uint32_t b_first = (tile.expert * num_n + tile.n) * num_k;
         const uint32_t a_row = tile.block * kBlockM;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
             mbar_wait(p, &ss.empty[stage], phase ^ 1);
+            ss.stage_tile[stage] = t;
             ptx::mbar_arrive_expect_tx(&ss.full[stage], kStageTxBytes);
             ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
             ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
-            ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], kb * kBlockK, b_row);
+            ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], 0, (b_first + kb) * kBlockN);
         }
     }
 }
@@ -236,8 +255,12 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
     const float* w2_sf = reinterpret_cast<const float*>(p.w2_sf);
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
-    const uint32_t total = num_tiles(s);
-    for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+    while (true) {
+        // The first stage of a tile says which tile it is (or that none is left).
+        mbar_wait(p, &ss.full[it % kNumStages], (it / kNumStages) & 1);
+        const uint32_t t = ss.stage_tile[it % kNumStages];
+        if (t == kNoMoreTiles)
+            break;
         const Tile tile = decode_tile(s, t);
         const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
         // L1 scales: [E_local, 2I/128, H/128, {gate, up}]; L2 scales: [E_local, H/128, I/128]

@@ -77,6 +77,8 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     }
     for (uint32_t i = gt; i < kNumExperts; i += stride)
         send_count[i] = 0;
+    if (gt == 0)
+        grid_sync[5] = 0;  // tile counter: every producer has taken its last tile
 
     combine_reduce(p, blockIdx.x * 8 + ct / 32, gridDim.x * 8, ct % 32);
 
