@@ -260,22 +260,22 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequenc
         raise MegaMoEError(f"mega_moe: {name} must be contiguous")
 
 
-def _tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m: int) -> Dict[str, bytes]:
+def _tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m: int, cluster_m: int) -> Dict[str, bytes]:
     from .jit import encode_tensor_map_2d
 
     cfg = buf.config
     s = cfg.shape
     P = cfg.num_max_pool_tokens
-    e_local = cfg.num_experts_per_rank
+    b_rows = 256 // cluster_m  # each CTA of a cluster loads its part of every B stage
     base = buf.buffer.data_ptr()
     off = buf.layout.offsets()
     return {
         "tmap_l1_a": encode_tensor_map_2d("u8", base + off["l1_pool"], (s.hidden, P), s.hidden, (128, block_m), "128b", name="l1_pool"),
         "tmap_l1_sfa": encode_tensor_map_2d("f32", base + off["l1_pool_sf"], (P, s.hidden // 128), P * 4, (block_m, 1), "none", name="l1_pool_sf"),
-        "tmap_l1_b": encode_tensor_map_2d("u8", l1.weight.data_ptr(), (128, l1.weight.numel() // 128), 128, (128, 256), "128b", name="w1"),
+        "tmap_l1_b": encode_tensor_map_2d("u8", l1.weight.data_ptr(), (128, l1.weight.numel() // 128), 128, (128, b_rows), "128b", name="w1"),
         "tmap_l2_a": encode_tensor_map_2d("u8", base + off["l2_pool"], (s.intermediate, P), s.intermediate, (128, block_m), "128b", name="l2_pool"),
         "tmap_l2_sfa": encode_tensor_map_2d("f32", base + off["l2_pool_sf"], (P, s.intermediate // 128), P * 4, (block_m, 1), "none", name="l2_pool_sf"),
-        "tmap_l2_b": encode_tensor_map_2d("u8", l2.weight.data_ptr(), (128, l2.weight.numel() // 128), 128, (128, 256), "128b", name="w2"),
+        "tmap_l2_b": encode_tensor_map_2d("u8", l2.weight.data_ptr(), (128, l2.weight.numel() // 128), 128, (128, b_rows), "128b", name="w2"),
     }
 
 
@@ -297,6 +297,7 @@ class _LaunchPlan:
 
     kernel: _Kernel
     grid: Tuple[int, int, int]
+    cluster: Tuple[int, int, int]
     params: bytearray
     y_offset: int
     num_tokens_offset: int
@@ -304,7 +305,8 @@ class _LaunchPlan:
     def launch(self, y: torch.Tensor, num_tokens: int, stream: int) -> None:
         struct.pack_into("<Q", self.params, self.y_offset, y.data_ptr())
         struct.pack_into("<Q", self.params, self.num_tokens_offset, num_tokens)
-        self.kernel.function.launch(self.grid, (NUM_THREADS, 1, 1), self.kernel.smem_bytes, stream, bytes(self.params))
+        self.kernel.function.launch(self.grid, (NUM_THREADS, 1, 1), self.kernel.smem_bytes, stream, bytes(self.params),
+                                    cluster=self.cluster)
 
 
 _PLANS: Dict[tuple, _LaunchPlan] = {}
@@ -335,10 +337,17 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
         "timeout_ns": timeout_ns(),
         "diag": buf.diag.data_ptr(),
     }
-    params = bytearray(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m), buf.buffer.data_ptr(), buf.peer_deltas,
-                                   buf.layout, tail))
+    params = bytearray(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m, config.cluster_m), buf.buffer.data_ptr(),
+                                   buf.peer_deltas, buf.layout, tail))
+    # A persistent grid: every CTA must be resident at once (the kernel has grid barriers).
     num_sms = config.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
-    return _LaunchPlan(kernel, (num_sms, 1, 1), params, param_offset("y"), param_offset("num_tokens"))
+    if config.cluster_m > 1:
+        resident = kernel.function.max_active_clusters(NUM_THREADS, kernel.smem_bytes, config.cluster_m)
+        num_sms = min(num_sms // config.cluster_m, resident) * config.cluster_m
+    if num_sms <= 0:
+        raise MegaMoEError(f"mega_moe: no resident grid for {variant.name} with num_sms={config.num_sms}")
+    return _LaunchPlan(kernel, (num_sms, 1, 1), (config.cluster_m, 1, 1), params, param_offset("y"),
+                       param_offset("num_tokens"))
 
 
 def mega_moe(
@@ -401,16 +410,21 @@ def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: in
     """
     from .heuristics import choose_config
 
-    unknown = set(config) - {"block_m", "num_stages", "num_sms"}
+    unknown = set(config) - {"block_m", "num_stages", "num_sms", "cluster_m"}
     if unknown:
-        raise MegaMoEError(f"fused backend: unknown config keys {sorted(unknown)}; expected block_m, num_stages, num_sms")
+        raise MegaMoEError(
+            f"fused backend: unknown config keys {sorted(unknown)}; expected block_m, num_stages, num_sms, cluster_m"
+        )
     gpu = torch.cuda.get_device_name()
     chosen, source = choose_config(shape, world_size, num_max_tokens_per_rank, gpu)
     if config:
         source = "given" if set(config) >= {"block_m", "num_stages"} else f"{source}+given"
     merged = {**chosen, **{k: v for k, v in config.items() if v is not None}}
     kernel_cfg = KernelConfig(
-        block_m=int(merged["block_m"]), num_stages=int(merged["num_stages"]), num_sms=int(merged.get("num_sms") or 0)
+        block_m=int(merged["block_m"]),
+        num_stages=int(merged["num_stages"]),
+        num_sms=int(merged.get("num_sms") or 0),
+        cluster_m=int(merged.get("cluster_m") or 1),
     )
     kernel_cfg.validate()
     return kernel_cfg, source

@@ -23,6 +23,8 @@ DEFAULT_KNOBS = {
     "num_stages": max(SUPPORTED_STAGES),
     # SMs the persistent kernel occupies; None = every SM of the device.
     "num_sms": None,
+    # CTAs per cluster sharing each B stage by TMA multicast (1 = no clusters).
+    "cluster_m": 1,
 }
 
 

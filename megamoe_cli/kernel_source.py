@@ -21,6 +21,7 @@ BLOCK_N = 256
 SUPPORTED_BLOCK_M = (64, 128)
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4)
+SUPPORTED_CLUSTER_M = (1, 2)
 KERNEL_NAME = "megamoe_kernel"
 NUM_THREADS = 384
 
@@ -83,6 +84,7 @@ class KernelConfig:
     block_m: int = 64
     num_stages: int = 3
     num_sms: int = 0  # 0 = every SM of the device
+    cluster_m: int = 1  # CTAs sharing (multicasting) each B stage across consecutive M blocks
 
     def validate(self) -> None:
         if self.block_m not in SUPPORTED_BLOCK_M:
@@ -91,6 +93,8 @@ class KernelConfig:
             )
         if self.num_stages not in SUPPORTED_STAGES:
             raise MegaMoEError(f"num_stages={self.num_stages}; expected one of {SUPPORTED_STAGES}")
+        if self.cluster_m not in SUPPORTED_CLUSTER_M:
+            raise MegaMoEError(f"cluster_m={self.cluster_m}; expected one of {SUPPORTED_CLUSTER_M}")
         if self.num_sms < 0:
             raise MegaMoEError(f"num_sms must be >= 0 (0 = all SMs), got {self.num_sms}")
 
@@ -107,13 +111,14 @@ class Variant:
     num_max_tokens_per_rank: int
     block_m: int
     num_stages: int
+    cluster_m: int = 1
 
     @property
     def name(self) -> str:
         s = self.shape
         return (
             f"megamoe_h{s.hidden}_i{s.intermediate}_e{s.num_experts}_k{s.num_topk}"
-            f"_r{self.num_ranks}_t{self.num_max_tokens_per_rank}_m{self.block_m}_s{self.num_stages}"
+            f"_r{self.num_ranks}_t{self.num_max_tokens_per_rank}_m{self.block_m}_s{self.num_stages}_c{self.cluster_m}"
         )
 
     def validate(self) -> None:
@@ -125,7 +130,7 @@ class Variant:
             raise MegaMoEError(f"the fused kernel supports at most {MAX_RANKS} ranks, got {self.num_ranks}")
         if self.shape.num_topk > 32:
             raise MegaMoEError(f"the fused kernel supports num_topk <= 32, got {self.shape.num_topk}")
-        KernelConfig(block_m=self.block_m, num_stages=self.num_stages).validate()
+        KernelConfig(block_m=self.block_m, num_stages=self.num_stages, cluster_m=self.cluster_m).validate()
         if smem_bytes(self) > MAX_SMEM_BYTES:
             raise MegaMoEError(
                 f"variant {self.name} needs {smem_bytes(self)} bytes of shared memory, more than the "
@@ -139,7 +144,8 @@ def variant_for(config: BufferConfig, kernel: KernelConfig) -> Variant:
         raise MegaMoEError(
             f"buffer was laid out for block_m={config.block_m} but the kernel config asks for {kernel.block_m}"
         )
-    v = Variant(config.shape, config.num_ranks, config.num_max_tokens_per_rank, kernel.block_m, kernel.num_stages)
+    v = Variant(config.shape, config.num_ranks, config.num_max_tokens_per_rank, kernel.block_m, kernel.num_stages,
+                kernel.cluster_m)
     v.validate()
     return v
 
@@ -203,6 +209,7 @@ def generate_source(variant: Variant) -> str:
         "MEGAMOE_NUM_MAX_TOKENS": variant.num_max_tokens_per_rank,
         "MEGAMOE_BLOCK_M": variant.block_m,
         "MEGAMOE_NUM_STAGES": variant.num_stages,
+        "MEGAMOE_CLUSTER_M": variant.cluster_m,
         "MEGAMOE_SMEM_BYTES": smem_bytes(variant),
     }
     head = "\n".join(f"#define {k} {v}u" for k, v in defines.items())
@@ -221,7 +228,7 @@ def smem_bytes(variant: Variant) -> int:
     stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4)
     staging = variant.block_m * BLOCK_N * 2 + 2 * 64 * 4
     barriers = 16 * variant.num_stages
-    schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
+    schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
     return stages + staging + barriers + schedule + 1024 + 256  # alignment slack
 
 
@@ -232,7 +239,7 @@ def variants_for(shapes: Iterable[MoEShape], ranks: Iterable[int], tokens: Itera
         for r in ranks:
             for t in tokens:
                 for k in kernels:
-                    v = Variant(shape, r, t, k.block_m, k.num_stages)
+                    v = Variant(shape, r, t, k.block_m, k.num_stages, k.cluster_m)
                     v.validate()
                     out.append(v)
     return out

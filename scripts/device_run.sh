@@ -46,7 +46,7 @@ case "$MODE" in
   iterate)
     export MEGAMOE_GPU_QUICK=1
     run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
-    run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,128:3
+    run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs ${TIMING_CONFIGS:-64:4,128:3,128:3:0:2}
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"
     ;;
   profile)

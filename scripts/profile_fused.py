@@ -21,13 +21,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="deepseek-v3")
     ap.add_argument("--tokens", default="64,16384")
-    ap.add_argument("--configs", default="64:4,128:3", help="block_m:num_stages[:num_sms],...")
+    ap.add_argument("--configs", default="64:4,128:3", help="block_m:num_stages[:num_sms[:cluster_m]],...")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     shape = preset(args.preset)
     spec = gpu_spec(torch.cuda.get_device_name())
-    print(f"{'tokens':>7} {'block_m':>7} {'stages':>6} {'sms':>4} {'us':>10} {'TFLOPS':>8} {'weights GB/s':>12}")
+    print(f"{'tokens':>7} {'block_m':>7} {'stages':>6} {'sms':>4} {'clu':>3} {'us':>10} {'TFLOPS':>8} {'weights GB/s':>12}")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         problem = make_problem(shape, 0, 1, tokens, tokens, "cuda", seed=tokens)
         pairs = int((problem.topk_idx >= 0).sum())
@@ -38,6 +38,8 @@ def main() -> None:
             config = {"block_m": fields[0], "num_stages": fields[1]}
             if len(fields) > 2:
                 config["num_sms"] = fields[2]
+            if len(fields) > 3:
+                config["cluster_m"] = fields[3]
             runner = FusedBackend().prepare(problem, None, config)
             runner()
             synchronize(runner.buf)
@@ -54,7 +56,7 @@ def main() -> None:
             us = statistics.median(times)
             tflops = pairs * shape.flops_per_pair() / us / 1e6
             gbps = weight_bytes / us / 1e3
-            print(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {us:>10.1f} "
+            print(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {config.get('cluster_m', 1):>3} {us:>10.1f} "
                   f"{tflops:>8.1f} {gbps:>12.1f}   (floor {weight_bytes / spec.hbm_bytes_per_s * 1e6:.0f} us HBM, "
                   f"{pairs * shape.flops_per_pair() / spec.fp8_flops * 1e6:.0f} us FP8)", flush=True)
             del runner

@@ -15,6 +15,7 @@ from megamoe_cli.kernel_source import (
     KERNEL_NAME,
     MAX_SMEM_BYTES,
     SUPPORTED_BLOCK_M,
+    SUPPORTED_CLUSTER_M,
     SUPPORTED_STAGES,
     Variant,
     csrc_dir,
@@ -38,7 +39,7 @@ def chosen_variants():
                 continue
             for tokens in TOKENS:
                 config = default_config(shape, ranks, tokens, "H200")
-                v = Variant(shape, ranks, 4096, config["block_m"], config["num_stages"])
+                v = Variant(shape, ranks, 4096, config["block_m"], config["num_stages"], config["cluster_m"])
                 seen[v.name] = v
     return list(seen.values())
 
@@ -57,9 +58,10 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
     shape = PRESETS["deepseek-v3"]
     for block_m in SUPPORTED_BLOCK_M:
         for stages in SUPPORTED_STAGES:
-            v = Variant(shape, 2, 4096, block_m, stages)
-            if smem_bytes(v) <= MAX_SMEM_BYTES:
-                variants.append(v)
+            for cluster_m in SUPPORTED_CLUSTER_M:
+                v = Variant(shape, 2, 4096, block_m, stages, cluster_m)
+                if smem_bytes(v) <= MAX_SMEM_BYTES:
+                    variants.append(v)
     sources = [KernelSource(v.name, generate_source(v), include_dirs=(str(csrc_dir()),)) for v in variants]
     built = build(sources)
     assert len(built) == len(variants)

@@ -27,6 +27,10 @@ constexpr uint32_t kNumExpertsPerRank = kNumExperts / kNumRanks;
 // half the B traffic per FLOP).
 constexpr uint32_t kBlockM = MEGAMOE_BLOCK_M;
 constexpr uint32_t kNumHalvesPerWg = kBlockM / 64;
+// Cluster of kClusterM CTAs working on consecutive M blocks of one expert and the same N
+// tile: each CTA loads 256 / kClusterM rows of the B stage and multicasts them to all.
+constexpr uint32_t kClusterM = MEGAMOE_CLUSTER_M;
+static_assert(kClusterM == 1 || kClusterM == 2, "cluster_m must be 1 or 2");
 constexpr uint32_t kBlockN = 256;
 constexpr uint32_t kBlockK = 128;
 constexpr uint32_t kWgmmaK = 32;

@@ -22,52 +22,74 @@ struct SharedStorage {
 
 struct Tile {
     bool is_l2;
+    bool valid;  // false: this CTA's block of the unit does not exist (it only shares its B half)
     uint32_t expert;
     uint32_t block;
     uint32_t n;
 };
 
+// A unit is kClusterM consecutive M blocks of one expert; a tile is (layer, unit, N tile).
 __device__ __forceinline__ uint32_t num_tiles(const Schedule& s) {
-    return s.num_blocks() * (kNumL1NTiles + kNumL2NTiles);
+    return s.num_units() * (kNumL1NTiles + kNumL2NTiles);
 }
 
-// Tiles: all L1 tiles, then all L2 tiles; inside a layer, expert-major, then N tile,
-// then M block, so CTAs working at the same time share the expert's B tile in L2.
-__device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t) {
+// Tiles: all L1 tiles, then all L2 tiles; inside a layer, expert-major, then N tile, then
+// unit, so CTAs working at the same time share the expert's B tile in L2.
+__device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint32_t cluster_rank) {
     Tile tile;
-    const uint32_t num_l1 = s.num_blocks() * kNumL1NTiles;
+    const uint32_t num_l1 = s.num_units() * kNumL1NTiles;
     tile.is_l2 = t >= num_l1;
     const uint32_t num_n = tile.is_l2 ? kNumL2NTiles : kNumL1NTiles;
     if (tile.is_l2)
         t -= num_l1;
-    tile.expert = Schedule::upper_expert(s.block_start, t / num_n);
-    const uint32_t first = s.block_start[tile.expert];
-    const uint32_t num_blocks = s.block_start[tile.expert + 1] - first;
+    tile.expert = Schedule::upper_expert(s.unit_start, t / num_n);
+    const uint32_t first = s.unit_start[tile.expert];
+    const uint32_t num_units = s.unit_start[tile.expert + 1] - first;
     const uint32_t local = t - first * num_n;
-    tile.n = local / num_blocks;
-    tile.block = first + local % num_blocks;
+    tile.n = local / num_units;
+    const uint32_t block_in_expert = (local % num_units) * kClusterM + cluster_rank;
+    tile.valid = block_in_expert < s.block_start[tile.expert + 1] - s.block_start[tile.expert];
+    tile.block = s.block_start[tile.expert] + block_in_expert;
     return tile;
 }
 
 constexpr uint32_t kNoMoreTiles = 0xffffffffu;
 
-// TMA producer (one thread).  Tiles are handed out by one atomic counter per rank, so the
-// tiles in flight across the GPU always form one contiguous window of the tile order:
-// CTAs working on the same expert's B tile stay close in time and share it in L2.
-// Waits until a tile's rows are in the pool, then streams A, A scales and B through the
-// stage ring; every stage carries its tile id, and a stage without data ends the loop.
+// Where the producer takes its next tile.  One CTA per cluster (kClusterM == 1): an atomic
+// counter per rank, so the tiles in flight across the GPU form one contiguous window of the
+// tile order and CTAs sharing an expert's B tile stay close in time (L2 reuse).  Clusters:
+// a static round robin over clusters, since both CTAs of a cluster must take the same tile.
+struct TileSource {
+    uint32_t* counter;
+    uint32_t next_static;
+    __device__ __forceinline__ uint32_t next() {
+        if constexpr (kClusterM == 1) {
+            return atomicAdd(counter, 1u);
+        } else {
+            const uint32_t t = next_static;
+            next_static += gridDim.x / kClusterM;
+            return t;
+        }
+    }
+};
+
+// TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams A,
+// A scales and B through the stage ring; every stage carries its tile id, and a stage
+// without data ends the loop.  With clusters, each CTA loads its own A block and one part
+// of B, multicast to every CTA of the cluster; the empty barriers count the consumers of
+// all of them, since a multicast overwrites the stage everywhere.
 // NOTES: tiles are taken in increasing order and each CTA finishes them in the order it
 // took them; an L2 tile only waits for L1 tiles, which were all taken before it, so the
 // waits cannot form a cycle.
-__device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss) {
+__device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss, uint32_t cluster_rank) {
     const Schedule& s = ss.schedule;
     const uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
     const uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
-    uint32_t* tile_counter = reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5);
+    TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5), blockIdx.x / kClusterM};
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
     while (true) {
-        const uint32_t t = atomicAdd(tile_counter, 1u);
+        const uint32_t t = source.next();
         if (t >= total) {
             const uint32_t stage = it % kNumStages;
             mbar_wait(p, &ss.empty[stage], ((it / kNumStages) & 1) ^ 1);
@@ -75,17 +97,19 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             ptx::mbar_arrive(&ss.full[stage]);
             return;
         }
-        const Tile tile = decode_tile(s, t);
-        // Wait until the tile's A rows landed
-        const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
-        const uint32_t target = tile.is_l2 ? kNumL1NTiles : s.valid_rows(tile.expert, tile.block);
-        uint32_t now = ptx::ld_acquire_gpu_u32(counter);
-        if (now < target) {
-            Deadline d(p.timeout_ns);
-            while ((now = ptx::ld_acquire_gpu_u32(counter)) < target)
-                d.check(p, tile.is_l2 ? kPhaseL2Arrival : kPhaseL1Arrival, target, now, tile.block);
+        const Tile tile = decode_tile(s, t, cluster_rank);
+        if (tile.valid) {
+            // Wait until the tile's A rows landed
+            const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
+            const uint32_t target = tile.is_l2 ? kNumL1NTiles : s.valid_rows(tile.expert, tile.block);
+            uint32_t now = ptx::ld_acquire_gpu_u32(counter);
+            if (now < target) {
+                Deadline d(p.timeout_ns);
+                while ((now = ptx::ld_acquire_gpu_u32(counter)) < target)
+                    d.check(p, tile.is_l2 ? kPhaseL2Arrival : kPhaseL1Arrival, target, now, tile.block);
+            }
+            ptx::fence_proxy_async_global();
         }
-        ptx::fence_proxy_async_global();
 
         const CUtensorMap* tmap_a = tile.is_l2 ? &p.tmap_l2_a : &p.tmap_l1_a;
         const CUtensorMap* tmap_sfa = tile.is_l2 ? &p.tmap_l2_sfa : &p.tmap_l1_sfa;
@@ -95,16 +119,36 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         const uint32_t num_n = tile.is_l2 ? kNumL2NTiles : kNumL1NTiles;
         const uint32_t b_first = (tile.expert * num_n + tile.n) * num_k;
         const uint32_t a_row = tile.block * kBlockM;
+        constexpr uint32_t kBPartRows = kBlockN / kClusterM;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
             mbar_wait(p, &ss.empty[stage], phase ^ 1);
             ss.stage_tile[stage] = t;
-            ptx::mbar_arrive_expect_tx(&ss.full[stage], kStageTxBytes);
-            ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
-            ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
-            ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], 0, (b_first + kb) * kBlockN);
+            ptx::mbar_arrive_expect_tx(&ss.full[stage], tile.valid ? kStageTxBytes : kSmemBBytes);
+            if (tile.valid) {
+                ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
+                ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
+            }
+            const int32_t b_row = static_cast<int32_t>((b_first + kb) * kBlockN + cluster_rank * kBPartRows);
+            if constexpr (kClusterM == 1) {
+                ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], 0, b_row);
+            } else {
+                ptx::tma_load_2d_multicast(ss.b[stage] + cluster_rank * kBPartRows * kBlockK, tmap_b, &ss.full[stage],
+                                           0, b_row, static_cast<uint16_t>((1u << kClusterM) - 1));
+            }
         }
+    }
+}
+
+// Release a stage to every producer whose multicast writes it.
+__device__ __forceinline__ void release_stage(SharedStorage& ss, uint32_t stage) {
+    if constexpr (kClusterM == 1) {
+        ptx::mbar_arrive(&ss.empty[stage]);
+    } else {
+        #pragma unroll
+        for (uint32_t r = 0; r < kClusterM; ++r)
+            ptx::mbar_arrive_cluster(ptx::map_shared_to_rank(&ss.empty[stage], r));
     }
 }
 
@@ -246,7 +290,8 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 // MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.
 // Per 128-K block and column half: 4 WGMMAs into `part`, wait, then promote into `acc`
 // with the row's A scale and the half's B scale(s).
-__device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
+__device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
+                                              uint32_t cluster_rank) {
     const Schedule& s = ss.schedule;
     const WgSlice slice{wg};
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
@@ -261,8 +306,17 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
         const uint32_t t = ss.stage_tile[it % kNumStages];
         if (t == kNoMoreTiles)
             break;
-        const Tile tile = decode_tile(s, t);
+        const Tile tile = decode_tile(s, t, cluster_rank);
         const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+        if (!tile.valid) {
+            // Only this CTA's B part was needed (by the other CTAs of the cluster)
+            for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+                mbar_wait(p, &ss.full[it % kNumStages], (it / kNumStages) & 1);
+                if (lane == 0)
+                    release_stage(ss, it % kNumStages);
+            }
+            continue;
+        }
         // L1 scales: [E_local, 2I/128, H/128, {gate, up}]; L2 scales: [E_local, H/128, I/128]
         const float* sfb_base = tile.is_l2 ? w2_sf + static_cast<uint64_t>(tile.expert) * (kHidden / 128) * kNumL2KBlocks
                                            : w1_sf + static_cast<uint64_t>(tile.expert) * (2 * kIntermediate / 128) *
@@ -304,7 +358,7 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
                 for (uint32_t i = 0; i < 64; ++i)
                     ptx::warpgroup_fence_operand(part[i]);
                 if (h == kNumHalvesPerWg - 1 && lane == 0)
-                    ptx::mbar_arrive(&ss.empty[stage]);
+                    release_stage(ss, stage);
 
                 // Promote: acc += part * sfa(row) * sfb(column group)
                 const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_odd[h];

@@ -52,7 +52,7 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
 __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     const uint32_t ct = wg * 128 + tid % 128;
-    consumer_loop(p, ss, wg, tid);
+    consumer_loop(p, ss, wg, tid, kClusterM == 1 ? 0 : ptx::cluster_ctarank());
 
     // Every local L2 push is done; wait for every rank's pushes into our combine buffer.
     __threadfence_system();
@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++i) {
             ptx::mbar_init(&ss.full[i], 1);
-            ptx::mbar_init(&ss.empty[i], kNumConsumerThreads / 32);
+            ptx::mbar_init(&ss.empty[i], kNumConsumerThreads / 32 * kClusterM);
         }
         ptx::fence_mbarrier_init();
         ptx::fence_proxy_async_shared();
@@ -108,14 +108,19 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         ptx::tma_prefetch_desc(&p.tmap_l2_a);
         ptx::tma_prefetch_desc(&p.tmap_l2_b);
     }
-    __syncthreads();
+    // NOTES: with clusters, the other CTAs' barriers must be initialized before any
+    // multicast or remote arrive targets them.
+    if constexpr (kClusterM == 1)
+        __syncthreads();
+    else
+        ptx::cluster_sync();
 
     if (warp < 4) {
         ptx::setmaxnreg_dec<kProducerRegisters>();
         if (warp == 0) {
             ptx::named_bar_sync(kBarSchedule, kNumThreads);
             if (lane == 0)
-                producer_loop(p, ss);
+                producer_loop(p, ss, kClusterM == 1 ? 0 : ptx::cluster_ctarank());
         } else {
             dispatch_role(p, ss, threadIdx.x - 32);
         }

@@ -85,6 +85,7 @@ _SIGNATURES = {
     "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p],
     "cuFuncGetParamInfo": [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t],
+    "cuOccupancyMaxActiveClusters": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(CUlaunchConfig)],
     "cuLaunchKernel": [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, _c_void_pp, _c_void_pp],
     "cuLaunchKernelEx": [ctypes.POINTER(CUlaunchConfig), ctypes.c_void_p, _c_void_pp, _c_void_pp],
     "cuTensorMapEncodeTiled": [
@@ -278,6 +279,20 @@ class CudaFunction:
             what=self.name,
         )
         return blocks.value
+
+    def max_active_clusters(self, block_threads: int, smem_bytes: int, cluster_size: int) -> int:
+        """How many clusters of ``cluster_size`` blocks can be resident at once on the device
+        (sizes a persistent clustered grid, where a GPC's odd SM cannot host a cluster)."""
+        attribute = CUlaunchAttribute()
+        attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster_size, 1, 1
+        config = CUlaunchConfig(cluster_size, 1, 1, int(block_threads), 1, 1, int(smem_bytes), None,
+                                ctypes.pointer(attribute), 1)
+        clusters = ctypes.c_int()
+        self.module.make_current()
+        _call("cuOccupancyMaxActiveClusters", ctypes.byref(clusters), ctypes.c_void_p(self.handle),
+              ctypes.byref(config), what=self.name)
+        return clusters.value
 
     def params_bytes(self) -> Optional[int]:
         """Size of the kernel's one parameter, or None where the driver cannot say.

@@ -82,14 +82,24 @@ def test_matches_reference(group, shape_name, num_tokens):
 
 
 @pytest.mark.parametrize(
-    "shape_name,num_tokens,block_m,num_stages",
-    [("small", 700, 128, 3), ("small", 700, 64, 2), ("deepseek-v3", 1000, 128, 3), ("seed-default", 300, 128, 2)],
+    "shape_name,num_tokens,block_m,num_stages,cluster_m",
+    [
+        ("small", 700, 128, 3, 1),
+        ("small", 700, 64, 2, 1),
+        ("small", 700, 128, 3, 2),  # experts with 2 and 3 blocks: full and half-empty clusters
+        ("small", 700, 64, 4, 2),
+        ("deepseek-v3", 1000, 128, 3, 1),
+        ("deepseek-v3", 1000, 128, 3, 2),  # one block per expert: every second CTA only shares B
+        ("deepseek-v3", 4096, 128, 3, 2),
+        ("seed-default", 300, 128, 2, 1),
+    ],
 )
-def test_kernel_configs(group, shape_name, num_tokens, block_m, num_stages):
+def test_kernel_configs(group, shape_name, num_tokens, block_m, num_stages, cluster_m):
     rank, world = rank_and_world(group)
     problem = make_problem(SHAPES[shape_name], rank, world, num_tokens, num_tokens, "cuda", shared_seed(group))
-    runner, y = run_fused(problem, group, {"block_m": block_m, "num_stages": num_stages})
-    assert runner.config["block_m"] == block_m and runner.config["num_stages"] == num_stages
+    config = {"block_m": block_m, "num_stages": num_stages, "cluster_m": cluster_m}
+    runner, y = run_fused(problem, group, config)
+    assert {k: runner.config[k] for k in config} == config
     check_against_reference(problem, group, y)
 
 
