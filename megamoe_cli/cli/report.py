@@ -102,6 +102,12 @@ def _plot(frame, target: Path) -> bool:
             # Several rows per point (block_m variants, repeated runs): plot the fastest.
             best = rows[rows["backend"] == backend].groupby("num_tokens")["time_us_median"].min().sort_index()
             ax.plot(best.index.astype(float), best.values.astype(float), marker="o", label=backend)
+        floors = ok_rows.loc[[i for i, p in zip(ok_rows.index, ok["panel"]) if p == panel]]
+        floors = floors.dropna(subset=["floor_us"]) if "floor_us" in floors else floors.iloc[0:0]
+        if not floors.empty:
+            floor = floors.groupby("num_tokens")["floor_us"].min().sort_index()
+            ax.plot(floor.index.astype(float), floor.values.astype(float), linestyle="--", color="gray",
+                    label="roofline floor")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(sorted(float(t) for t in set(rows["num_tokens"])))
