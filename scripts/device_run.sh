@@ -49,6 +49,16 @@ case "$MODE" in
     run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs ${TIMING_CONFIGS:-64:4,128:3,128:3:0:2}
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"
     ;;
+  tiers)
+    run gpu_ws1 280 python3 -m pytest tests/gpu -q -p no:cacheprovider -m "not soak"
+    if [ "$NGPU" -gt 1 ]; then
+      run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu -q -p no:cacheprovider
+    fi
+    ;;
+  record)
+    run record 560 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
+    python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null
+    ;;
   profile)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,64:3,128:3,128:2
