@@ -81,6 +81,15 @@ def other_shape_buffer(state):
     return state["other_buf"]
 
 
+def other_shape_weights(state):
+    """This rank's experts of OTHER, transformed for the kernel (made once)."""
+    if "other_weights" not in state:
+        rank, n = state["problem"].rank, e_local(state)
+        w1, w1_sf, w2, w2_sf = make_expert_weights(OTHER, rank * n, n, "cuda", seed=11)
+        state["other_weights"] = transform_weights_for_mega_moe((w1, w1_sf), (w2, w2_sf))
+    return state["other_weights"]
+
+
 def sentinel_y(rows, hidden, device="cuda"):
     return torch.full((rows, hidden), SENTINEL, dtype=torch.bfloat16, device=device)
 
@@ -102,9 +111,11 @@ def case_y_one_dimensional(state):
 
 
 def case_l1_weight_not_contiguous(state):
-    l1 = state["runner"].l1
-    # SMALL has 2 * intermediate == hidden, so the transpose keeps the shape and only the strides change.
-    return dict(l1=ExpertWeights(l1.weight.transpose(1, 2), l1.scale)), "mega_moe: l1 weight must be contiguous"
+    weight = state["runner"].l1.weight
+    wide = torch.zeros(*weight.shape[:-1], 2 * weight.shape[-1], dtype=torch.uint8, device="cuda")
+    strided = wide.view(weight.dtype)[..., : weight.shape[-1]]
+    assert strided.shape == weight.shape and not strided.is_contiguous()
+    return dict(l1=ExpertWeights(strided, state["runner"].l1.scale)), "mega_moe: l1 weight must be contiguous"
 
 
 def case_l2_scales_on_cpu(state):
@@ -122,21 +133,16 @@ def case_l2_weight_bf16(state):
 
 
 def case_weights_for_another_shape(state):
-    rank = state["problem"].rank
-    n = e_local(state)
-    w1, w1_sf, w2, w2_sf = make_expert_weights(OTHER, rank * n, n, "cuda", seed=11)
-    l1, l2 = transform_weights_for_mega_moe((w1, w1_sf), (w2, w2_sf))
+    l1, l2 = other_shape_weights(state)
     return dict(l1=l1, l2=l2), (
-        f"mega_moe: l1 weight must have shape ({n}, {2 * SMALL.intermediate}, {SMALL.hidden}), "
-        f"got ({n}, {2 * OTHER.intermediate}, {OTHER.hidden})"
+        f"mega_moe: l1 weight must have shape {tuple(state['runner'].l1.weight.shape)}, got {tuple(l1.weight.shape)}"
     )
 
 
 def case_buffer_for_another_shape(state):
-    n = e_local(state)
+    l1, _ = other_shape_weights(state)
     return dict(buf=other_shape_buffer(state), y=sentinel_y(NUM_TOKENS, OTHER.hidden)), (
-        f"mega_moe: l1 weight must have shape ({n}, {2 * OTHER.intermediate}, {OTHER.hidden}), "
-        f"got ({n}, {2 * SMALL.intermediate}, {SMALL.hidden})"
+        f"mega_moe: l1 weight must have shape {tuple(l1.weight.shape)}, got {tuple(state['runner'].l1.weight.shape)}"
     )
 
 
