@@ -1,4 +1,4 @@
-"""Make the fused kernel fail on purpose and report how it failed (spawned by tests/gpu/test_faults.py).
+"""Make the fused kernel fail on purpose and report how it failed (spawned by tests/gpu/test_fused_faults.py).
 
 A kernel that traps takes its CUDA context down with it, so each fault runs in a process of
 its own.  Every case first runs one valid call (which builds and loads the kernel variant and

@@ -4,7 +4,7 @@ What the GPU tier cannot check without a GPU is checked here: the fused layer's 
 checks that run before any device work, the kernel-variant limits, the decoding of the
 kernel's failure record, and the processes around the kernel (bench runs that hang, crash or
 are interrupted; JIT builds killed midway; tuned-config writes killed midway; torn results
-files).  The kernel's own traps are in tests/gpu/test_faults.py.
+files).  The kernel's own traps are in tests/gpu/test_fused_faults.py.
 """
 
 import json
