@@ -128,6 +128,7 @@ class SymmBuffer:
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             dist.barrier(group=group)
+        self.plans: Dict[tuple, "_LaunchPlan"] = {}
         self.x = self.view("x")
         self.x_sf = self.view("x_sf")
         self.topk_idx = self.view("topk_idx")
@@ -309,9 +310,6 @@ class _LaunchPlan:
                                     cluster=self.cluster)
 
 
-_PLANS: Dict[tuple, _LaunchPlan] = {}
-
-
 def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> _LaunchPlan:
     cfg = buf.config
     s = cfg.shape
@@ -371,12 +369,13 @@ def mega_moe(
         raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
     if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
-    # Addresses, shapes and dtypes (not object ids, which are reused) identify a validated plan.
-    key = (id(buf), cfg, buf.buffer.data_ptr(), tuple(buf.peer_deltas), config, os.environ.get(ENV_TIMEOUT),
-           *((t.data_ptr(), t.shape, t.dtype) for t in (l1.weight, l1.scale, l2.weight, l2.scale)))
-    plan = _PLANS.get(key)
+    # Plans live on the buffer (they die with it); weight addresses, shapes, strides and dtypes
+    # (not object ids, which are reused) identify a validated plan.
+    key = (config, os.environ.get(ENV_TIMEOUT),
+           *((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (l1.weight, l1.scale, l2.weight, l2.scale)))
+    plan = buf.plans.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(buf, l1, l2, config)
+        plan = buf.plans[key] = _plan(buf, l1, l2, config)
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise MegaMoEError(
             f"mega_moe: y must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(y, 'shape', y)!r}"

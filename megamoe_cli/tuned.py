@@ -127,6 +127,10 @@ def load(path: Optional[os.PathLike] = None) -> Dict[str, dict]:
         return {}
     except OSError as exc:
         raise MegaMoEError(f"cannot read tuned config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise MegaMoEError(
+            f"tuned config {path} is not UTF-8 text (byte {exc.start}); fix it, or delete it to start over"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

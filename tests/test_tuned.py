@@ -211,3 +211,10 @@ def test_default_config_is_a_buildable_kernel_variant(preset_name, world_size):
     KernelConfig(block_m=config["block_m"], num_stages=config["num_stages"], num_sms=config["num_sms"] or 0).validate()
     variant = Variant(shape, world_size, 8192, config["block_m"], config["num_stages"])
     assert smem_bytes(variant) <= SM90_MAX_SMEM_BYTES
+
+
+def test_non_utf8_store_is_named(store):
+    store.parent.mkdir(parents=True)
+    store.write_bytes(b'{"version": 1, "entries": {"\xff": {}}}')
+    with pytest.raises(MegaMoEError, match=r"not UTF-8 text \(byte 29\)"):
+        tuned.load()
