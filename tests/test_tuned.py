@@ -216,5 +216,5 @@ def test_default_config_is_a_buildable_kernel_variant(preset_name, world_size):
 def test_non_utf8_store_is_named(store):
     store.parent.mkdir(parents=True)
     store.write_bytes(b'{"version": 1, "entries": {"\xff": {}}}')
-    with pytest.raises(MegaMoEError, match=r"not UTF-8 text \(byte 29\)"):
+    with pytest.raises(MegaMoEError, match=r"not UTF-8 text \(byte 28\)"):
         tuned.load()
