@@ -359,6 +359,7 @@ def run_bench(
     grace_s: float = DEFAULT_GRACE_S,
     keep_run_dir: bool = False,
     run_root: Optional[Union[str, Path]] = None,
+    plan_extra: Optional[Mapping[str, Any]] = None,
 ) -> BenchResult:
     """Measure ``points`` on ``nproc`` ranks; append each row to ``out_path`` as it finishes.
 
@@ -368,7 +369,8 @@ def run_bench(
     per-point deadlines).  ``env`` adds environment variables for the ranks.
     The run folder (plan, rows, torchrun.log) is made under ``run_root``
     (default: the system temporary folder) and removed after a clean run
-    unless ``keep_run_dir``.
+    unless ``keep_run_dir``.  ``plan_extra`` adds sections to the plan the
+    workers read (``megamoe tune`` passes its candidate lists this way).
 
     Returns a :class:`BenchResult`; a run that stopped early has status
     ``failed``, a message naming the point it stopped at, the rows measured
@@ -399,6 +401,10 @@ def run_bench(
         "startup_timeout_s": startup_timeout_s,
         "points": points_to_json(points),
     }
+    clash = sorted(set(plan_extra or {}) & set(plan))
+    if clash:
+        raise MegaMoEError(f"plan_extra may only add sections to the plan, not replace {clash}")
+    plan.update(plan_extra or {})
     plan_path.write_text(json.dumps(plan, indent=1))
 
     rows: List[Dict[str, Any]] = []

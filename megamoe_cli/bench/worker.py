@@ -14,6 +14,10 @@ peer died inside a collective, a kernel that never ends) records the point as
 failed, writes ``fatal.rank<R>.txt`` naming the point and phase, and exits
 non-zero instead of hanging.
 
+A plan with a ``tune`` section (written by ``megamoe tune``) times each point's candidate
+kernel configs in lockstep instead (``bench.tune.tune_point``); the phases, agreement, watchdog
+and row handling are the same.
+
 Files in ``--run-dir``: ``rank<R>.pid`` (so the launcher can kill ranks that
 torchrun orphans), ``env.json`` (environment columns), ``progress.jsonl``
 (rank 0: one line per point started) and ``fatal.rank<R>.txt``.
@@ -290,6 +294,10 @@ class Worker:
             self.torch.cuda.empty_cache()
 
     def run_point(self, index: int, point) -> Dict[str, Any]:
+        if "tune" in self.plan:
+            from .tune import tune_point
+
+            return tune_point(self, index, point)
         from .results import STATUS_FAILED, STATUS_OK
 
         state: Dict[str, Any] = {"index": index, "point": point}
