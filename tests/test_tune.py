@@ -559,6 +559,17 @@ def test_a_default_that_does_not_build_skips_its_point_and_a_bad_store_stops_bef
     assert built == []
 
 
+def test_a_point_where_every_candidate_is_wrong_saves_nothing_and_the_run_goes_on(store):
+    everything = {(16, stages, sms) for stages in (2, 3, 4) for sms in (0, 112)}
+    result = lib.run_tune(small_sweep(tokens=(16, 32)), world_size=2, device="cpu", gpu="H200", path=store,
+                          build=fake_build, launch=simulated_launch(by_stages_and_sms({}), wrong=everything))
+    assert result.ok and "2 point(s) measured, 1 entry saved" in result.message
+    assert [o.status for o in result.outcomes] == ["failed", "tuned"]
+    assert result.outcomes[0].message == "no candidate passed; nothing saved"
+    assert {r.status for r in result.outcomes[0].results} == {WRONG}
+    assert list(tuned.load(store)) == [str(result.outcomes[1].plan.key)]
+
+
 def test_launcher_plan_extra_cannot_replace_the_plan(tmp_path):
     points = load_sweep_text("name: t\nshape: {preset: small}\nnum_tokens: [4]\nbackends: [reference]\n").points
     with pytest.raises(MegaMoEError, match="only add sections"):

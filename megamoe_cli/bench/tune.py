@@ -994,7 +994,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
             plan = plans[plan_index]
             record = records.get(event.index)
             measured = [CandidateResult.from_dict(r) for r in record["results"]] if record else []
-            if event.row.get("status") == OK or any(r.status == FAULT for r in measured):
+            if record is not None:
                 outcome = finish_point(plan, measured, date=utc_now(), commit=commit)
             else:
                 outcome = PointOutcome(plan, "failed", event.row.get("error") or "failed",
@@ -1022,7 +1022,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if result.ok:
-        return OK, f"{len(runnable)} point(s) tuned, {saved} entr{'y' if saved == 1 else 'ies'} saved to {path}"
+        return OK, f"{len(runnable)} point(s) measured, {saved} entr{'y' if saved == 1 else 'ies'} saved to {path}"
     faults = [r for o in outcomes.values() for r in o.results if r.status == FAULT]
     where = f" (candidate {faults[0].candidate.label})" if faults else ""
     return "failed", (f"tune stopped{where}: {result.message}; {saved} entr{'y' if saved == 1 else 'ies'} "
