@@ -120,6 +120,10 @@ __device__ __noinline__ void fail(const Params& p, uint32_t phase, uint64_t expe
         __threadfence_system();
         atomicExch(&diag->magic, kDiagMagic);
         __threadfence_system();
+    } else if (diag != nullptr) {
+        // Another thread is filling the record: a trap now would kill the grid before it lands.
+        for (uint32_t i = 0; i < (1u << 22) && atomicAdd(&diag->magic, 0u) != kDiagMagic; ++i)
+            __nanosleep(64);
     }
     __trap();
 }
