@@ -50,11 +50,15 @@ __device__ __forceinline__ void dispatch_count(const Params& p, uint32_t dispatc
         const int64_t expert = topk_idx[i];
         if (expert < 0)
             continue;
-        if (expert >= kNumExperts)
+        if (expert >= kNumExperts) {
             fail(p, kPhaseBadTopkIdx, kNumExperts, static_cast<uint64_t>(expert), i);
+            continue;
+        }
         const uint32_t slot = atomicAdd(send_count + expert, 1u);
-        if (slot >= kNumMaxTokens)
+        if (slot >= kNumMaxTokens) {
             fail(p, kPhaseTooManyPairs, kNumMaxTokens, slot, static_cast<uint32_t>(expert));
+            continue;
+        }
         const uint32_t dst_rank = static_cast<uint32_t>(expert) / kNumExpertsPerRank;
         const uint32_t local_expert = static_cast<uint32_t>(expert) % kNumExpertsPerRank;
         int32_t* dst = src_table + (static_cast<uint64_t>(local_expert) * kNumRanks + p.rank) * kNumMaxTokens + slot;
