@@ -55,6 +55,17 @@ case "$MODE" in
       run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu -q -p no:cacheprovider
     fi
     ;;
+  final)
+    run gpu_faults 120 python3 -m pytest tests/gpu/test_fused_faults.py -q -p no:cacheprovider
+    export MEGAMOE_TUNED_CONFIG="$OUT/tuned.json"
+    run tune 240 python3 -m megamoe_cli tune --preset deepseek-v3 --tokens 128 --block-m 64,128 --stages 3,4 \
+      --cluster-m 1 --sms all,120 --json
+    run bench_tuned 120 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128 --backend fused,torch \
+      --out "$OUT/bench_tuned.csv"
+    unset MEGAMOE_TUNED_CONFIG
+    run record 300 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
+    python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null
+    ;;
   record)
     run record 560 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
     python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null
