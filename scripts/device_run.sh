@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   scripts/device_run.sh quick|full|bench [bench args...]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|tiers|final|record|profile|bench [args]
+# (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 set -uo pipefail
 MODE=${1:-quick}
 shift || true
@@ -12,7 +13,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MEGAMOE_CACHE_DIR=${MEGAMOE_CACHE_DIR:-/tmp/megamoe-jit} MEGAMOE_TIMEOUT_S=${MEGAMOE_TIMEOUT_S:-20}
 NGPU=$(nvidia-smi -L | wc -l)
 {
-  date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  date -u +%FT%TZ; echo "commit ${MEGAMOE_GIT_COMMIT:-unknown (pass MEGAMOE_GIT_COMMIT=<sha> from the checkout)}"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nvidia-smi topo -m 2>/dev/null | head -5
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 } 2>&1 | tee "$OUT/env.txt"

@@ -7,6 +7,7 @@ bounded in time and degrades to an empty value rather than failing the run.
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import subprocess
@@ -46,10 +47,15 @@ def _run(args, cwd: Optional[Path] = None) -> Optional[str]:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+ENV_GIT_COMMIT = "MEGAMOE_GIT_COMMIT"
+
+
 def git_info(root: Path = SOURCE_ROOT) -> Dict[str, Any]:
+    """The checkout's commit; a source copy without git history (a tree copied to a GPU host)
+    reports ``$MEGAMOE_GIT_COMMIT`` instead, with unknown dirtiness."""
     commit = _run(["git", "rev-parse", "HEAD"], cwd=root)
     if commit is None:
-        return {"git_commit": "", "git_dirty": None}
+        return {"git_commit": os.environ.get(ENV_GIT_COMMIT, ""), "git_dirty": None}
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
 
