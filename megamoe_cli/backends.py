@@ -17,6 +17,7 @@ _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
     "torch": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "fp8"}),
     "torch-bf16": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16"}),
     "fused": ("megamoe_cli.fused", "FusedBackend", {}),
+    "fused-graph": ("megamoe_cli.fused", "FusedBackend", {"graph": True}),
 }
 
 BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)

@@ -430,7 +430,14 @@ def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: in
 
 
 class _FusedRunner:
-    def __init__(self, problem, group, config: dict):
+    """One layer call per ``runner()``: copy this rank's inputs into the buffer, then the kernel.
+
+    ``graph=True`` captures both into a CUDA graph after one eager call (which every rank makes
+    together) and replays it from then on, as a decode loop under CUDA graphs does: the host's
+    launch work leaves the call, the device work is the same.
+    """
+
+    def __init__(self, problem, group, config: dict, graph: bool = False):
         s = problem.shape
         kernel_cfg, source = resolve_config(s, problem.world_size, problem.num_max_tokens_per_rank, config)
         key = (id(group), s, problem.num_max_tokens_per_rank, kernel_cfg.block_m)
@@ -447,9 +454,27 @@ class _FusedRunner:
         self.l1, self.l2 = transform_weights_for_mega_moe((problem.w1, problem.w1_sf), (problem.w2, problem.w2_sf))
         n = problem.num_tokens
         self.y = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=buf.device)
-        self.config = {**kernel_cfg.to_dict(), "config_source": source}
+        self.graph = graph
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self.config = {**kernel_cfg.to_dict(), "config_source": source, "graph": graph}
 
     def __call__(self) -> torch.Tensor:
+        if not self.graph:
+            return self._eager()
+        if self._graph is None:
+            self._eager()
+            synchronize(self.buf)
+            stream = torch.cuda.Stream(self.buf.device)
+            stream.wait_stream(torch.cuda.current_stream(self.buf.device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                self._eager()
+            torch.cuda.current_stream(self.buf.device).wait_stream(stream)
+            self._graph = graph
+        self._graph.replay()
+        return self.y
+
+    def _eager(self) -> torch.Tensor:
         p, buf, n = self.problem, self.buf, self.problem.num_tokens
         if n:
             buf.x[:n].copy_(p.x)
@@ -463,11 +488,14 @@ _BUFFERS: Dict[tuple, SymmBuffer] = {}
 
 
 class FusedBackend:
-    """Backend contract (docs/INTERFACES.md) for the fused kernel."""
+    """Backend contract (docs/INTERFACES.md) for the fused kernel: ``fused`` launches eagerly,
+    ``fused-graph`` (``graph=True``) replays the captured call."""
 
-    name = "fused"
+    def __init__(self, graph: bool = False):
+        self.graph = graph
+        self.name = "fused-graph" if graph else "fused"
 
     def prepare(self, problem, group, config: Optional[dict] = None):
         if not torch.cuda.is_available():
             raise MegaMoEError("the fused backend needs a CUDA GPU (sm_90a)")
-        return _FusedRunner(problem, group, dict(config or {}))
+        return _FusedRunner(problem, group, dict(config or {}), graph=self.graph)

@@ -67,6 +67,13 @@ case "$MODE" in
     run record 300 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
     python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null
     ;;
+  verify)
+    export MEGAMOE_GPU_QUICK=1
+    run gpu_ws1 200 python3 -m pytest tests/gpu/test_fused.py -q -p no:cacheprovider
+    run gpu_wsN 240 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -q -p no:cacheprovider
+    run bench_graph 200 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 1,128,1024 \
+      --backend fused,fused-graph,torch --iters 20 --out "$OUT/bench_graph.csv"
+    ;;
   record)
     run record 560 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
     python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null

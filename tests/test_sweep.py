@@ -132,7 +132,7 @@ def test_unknown_key_in_second_shape_of_list():
         (BASE.replace("{preset: small}", "{preset: small, hidden: 500}"), "shape: hidden must be a multiple of 128"),
         (BASE.replace("{preset: small}", "[small]"), "shape: expected a mapping"),
         (BASE + "num_topk: [9]\n", "num_topk: with shape: num_topk must be between 1 and num_experts=8, got 9"),
-        (BASE + "block_m: [64]\n", "block_m is a kernel config of the fused backend"),
+        (BASE + "block_m: [64]\n", "block_m is a kernel config of the fused and fused-graph backends"),
         (BASE.replace("torch]", "fused]") + "block_m: [64, 40]\n", "block_m[1]: block_m must be a multiple of 16"),
         (BASE + "num_max_tokens_per_rank: 2\n", "must be at least the largest num_tokens (4), got 2"),
         (BASE + "shapes: [{preset: small}]\n", "give exactly one of 'shape'"),

@@ -66,7 +66,7 @@ SWEEP_KEYS = (
 SHAPE_ENTRY_KEYS = ("preset",) + SHAPE_KEYS
 
 # Backends that take a kernel config (block_m); the others ignore it.
-CONFIGURABLE_BACKENDS = ("fused",)
+CONFIGURABLE_BACKENDS = ("fused", "fused-graph")
 
 Tokens = Union[int, Tuple[int, ...]]
 
@@ -387,7 +387,7 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
         if not any(b in CONFIGURABLE_BACKENDS for b in backends):
             raise check.fail(
                 ("block_m",),
-                f"block_m is a kernel config of the {', '.join(CONFIGURABLE_BACKENDS)} backend, "
+                f"block_m is a kernel config of the {' and '.join(CONFIGURABLE_BACKENDS)} backends, "
                 f"which this sweep does not run (backends: {', '.join(backends)})",
             )
         probe = PRESETS["small"]

@@ -146,6 +146,19 @@ def test_back_to_back_graph_and_bitwise(group):
         assert torch.equal(runner.y, first), "CUDA-graph replay differs from the eager result"
 
 
+def test_graph_backend_replays_the_eager_result(group):
+    rank, world = rank_and_world(group)
+    problem = make_problem(SMALL, rank, world, 77, 128, "cuda", shared_seed(group))
+    _, eager = run_fused(problem, group)
+    runner = FusedBackend(graph=True).prepare(problem, group, {})
+    assert runner.config["graph"] is True
+    for _ in range(3):
+        runner.y.fill_(float("nan"))
+        y = runner()
+        synchronize(runner.buf)
+        assert torch.equal(y, eager)
+
+
 def test_changing_routing_between_calls(group):
     rank, world = rank_and_world(group)
     seed = shared_seed(group)
