@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 from .errors import MegaMoEError
-from .layout import BufferConfig, BufferLayout, MoEShape
+from .layout import SEGMENT_NAMES, BufferConfig, BufferLayout, MoEShape
 
 MAX_RANKS = 8
 BLOCK_N = 256
@@ -35,27 +35,8 @@ TMAP_FIELDS: Tuple[str, ...] = (
 )
 TMAP_BYTES = 128
 
-# Segment offsets the kernel reads (names match layout segments, prefixed "off_").
-OFFSET_SEGMENTS: Tuple[str, ...] = (
-    "grid_sync",
-    "rank_flags",
-    "expert_send_count",
-    "expert_recv_count",
-    "l1_arrival",
-    "l2_arrival",
-    "src_token_topk_idx",
-    "pool_src_meta",
-    "x",
-    "x_sf",
-    "topk_idx",
-    "topk_weights",
-    "l1_pool",
-    "l1_pool_sf",
-    "l1_pool_weights",
-    "l2_pool",
-    "l2_pool_sf",
-    "combine",
-)
+# Every segment's offset, in layout order (names match layout segments, prefixed "off_").
+OFFSET_SEGMENTS: Tuple[str, ...] = SEGMENT_NAMES
 TAIL_FIELDS: Tuple[str, ...] = (
     "w1_sf",
     "w2_sf",

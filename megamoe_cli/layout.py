@@ -244,6 +244,10 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
 }
 
 
+# Segment order, low to high address: the one list the kernel's launch parameters follow too.
+SEGMENT_NAMES: Tuple[str, ...] = tuple(_SEGMENT_DOCS)
+
+
 def segment_doc(name: str) -> Tuple[str, str, str]:
     return _SEGMENT_DOCS[name]
 
@@ -280,6 +284,7 @@ def build_layout(config: BufferConfig) -> BufferLayout:
         ("l2_pool_sf", "f32", (I // SCALE_BLOCK, P)),
         ("combine", "bf16", (K, T, H)),
     ]
+    assert tuple(name for name, _, _ in specs) == SEGMENT_NAMES
     segments: List[Segment] = []
     offset = 0
     for name, dtype, shape in specs:
@@ -292,16 +297,8 @@ def build_layout(config: BufferConfig) -> BufferLayout:
     return BufferLayout(cfg, segments)
 
 
-WORKSPACE_SEGMENTS = (
-    "grid_sync",
-    "rank_flags",
-    "expert_send_count",
-    "expert_recv_count",
-    "l1_arrival",
-    "l2_arrival",
-    "src_token_topk_idx",
-    "pool_src_meta",
-)
+# Counters and tables the kernel owns (zeroed once at allocation), then the data segments.
+WORKSPACE_SEGMENTS: Tuple[str, ...] = SEGMENT_NAMES[: SEGMENT_NAMES.index("pool_src_meta") + 1]
 
 
 def workspace_bytes(layout: BufferLayout) -> int:

@@ -1,14 +1,10 @@
 """The quantization-aware reference: loop vs grouped vs expert-parallel, and problem generation."""
 
-import os
-from datetime import timedelta
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_gloo
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_expert_weights, make_problem, make_routing
@@ -254,29 +250,11 @@ def _dist_worker(rank, world_size, scenarios):
     return out
 
 
-def _rank_main(rank, world_size, store, out_dir, scenarios):
-    """One spawned gloo rank (module level so it pickles by reference): run the worker, save its results."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        torch.save(_dist_worker(rank, world_size, scenarios), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_gloo(tmp_dir, world_size, scenarios):
-    """Per-rank results of ``_dist_worker`` on ``world_size`` spawned CPU gloo ranks."""
-    mp.spawn(_rank_main, args=(world_size, str(tmp_dir / "store"), str(tmp_dir), scenarios), nprocs=world_size)
-    return [torch.load(tmp_dir / f"rank{r}.pt") for r in range(world_size)]
-
-
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     return {
-        2: _run_gloo(tmp_path_factory.mktemp("gloo2"), 2, SCENARIOS_2),
-        4: _run_gloo(tmp_path_factory.mktemp("gloo4"), 4, SCENARIOS_4),
+        2: run_gloo(tmp_path_factory.mktemp("gloo2"), 2, _dist_worker, SCENARIOS_2),
+        4: run_gloo(tmp_path_factory.mktemp("gloo4"), 4, _dist_worker, SCENARIOS_4),
     }
 
 
