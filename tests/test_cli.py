@@ -1,7 +1,6 @@
 """The command line, through click's CliRunner (and a subprocess where start-up cost matters)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

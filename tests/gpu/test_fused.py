@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.fused import FusedBackend, SymmBuffer, mega_moe, synchronize, transform_weights_for_mega_moe
+from megamoe_cli.fused import FusedBackend, mega_moe, synchronize, transform_weights_for_mega_moe
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
 from megamoe_cli.reference import moe_reference_distributed
