@@ -78,6 +78,14 @@ case "$MODE" in
     run record 560 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
     python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null
     ;;
+  ncu)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for cfg in "$@"; do
+      run "ncu_${cfg//:/_}" 150 "$NCU" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section LaunchStats -k megamoe_kernel --launch-skip 1 --launch-count 1 \
+        python3 scripts/profile_fused.py --tokens 16384 --configs "$cfg" --iters 1 --warmup 0
+    done
+    ;;
   profile)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,64:3,128:3,128:2
