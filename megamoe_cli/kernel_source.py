@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from .errors import MegaMoEError
 from .layout import SEGMENT_NAMES, BufferConfig, BufferLayout, MoEShape
@@ -211,16 +211,3 @@ def smem_bytes(variant: Variant) -> int:
     barriers = 16 * variant.num_stages
     schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
     return stages + staging + barriers + schedule + 1024 + 256  # alignment slack
-
-
-def variants_for(shapes: Iterable[MoEShape], ranks: Iterable[int], tokens: Iterable[int],
-                 kernels: Iterable[KernelConfig]) -> List[Variant]:
-    out = []
-    for shape in shapes:
-        for r in ranks:
-            for t in tokens:
-                for k in kernels:
-                    v = Variant(shape, r, t, k.block_m, k.num_stages, k.cluster_m)
-                    v.validate()
-                    out.append(v)
-    return out

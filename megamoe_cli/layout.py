@@ -248,10 +248,6 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
 SEGMENT_NAMES: Tuple[str, ...] = tuple(_SEGMENT_DOCS)
 
 
-def segment_doc(name: str) -> Tuple[str, str, str]:
-    return _SEGMENT_DOCS[name]
-
-
 def build_layout(config: BufferConfig) -> BufferLayout:
     cfg = config
     R = cfg.num_ranks
