@@ -174,7 +174,11 @@ def transform_weights_for_mega_moe(
     L1 ``[E, 2I, H]`` (gate rows then up rows) becomes gate/up interleaved by 8 rows, so one
     accumulator fragment holds matching gate and up columns; its scales become
     ``[E, 2I/128, H/128, 2]``: for each interleaved 128-row block, the scale of its 64 gate
-    rows and of its 64 up rows.  L2 scales ``[E, H/128, I/128]`` are kept.
+    rows and of its 64 up rows.  L2 ``[E, H, I]`` has its output rows permuted inside every
+    32-row group (row ``8 t + 2 q + e`` of a group holds output channel ``8 q + 2 t + e``), so
+    each lane of the L2 epilogue owns 16 contiguous output bytes and stores them straight from
+    its accumulators; the permutation stays inside one 128-row scale block, so the L2 scales
+    ``[E, H/128, I/128]`` are kept.
 
     Both weights are then stored tile by tile, ``[E, N/256, K/128, 256, 128]``: the 32 KiB the
     kernel loads per pipeline stage (256 output rows x one 128-wide K block) is contiguous, so
@@ -212,7 +216,8 @@ def transform_weights_for_mega_moe(
     gate_sf = w1_sf[:, : i // 128].repeat_interleave(2, dim=1)
     up_sf = w1_sf[:, i // 128 :].repeat_interleave(2, dim=1)
     w1_sf_t = torch.stack([gate_sf, up_sf], dim=-1).contiguous()
-    return (ExpertWeights(_tile(w1_t), w1_sf_t), ExpertWeights(_tile(w2.view(torch.uint8)), w2_sf.contiguous()))
+    w2_t = w2.view(torch.uint8).view(e, h // 32, 4, 4, 2, i).transpose(2, 3).reshape(e, h, i)
+    return (ExpertWeights(_tile(w1_t), w1_sf_t), ExpertWeights(_tile(w2_t), w2_sf.contiguous()))
 
 
 def _tile(w: torch.Tensor) -> torch.Tensor:
@@ -222,27 +227,59 @@ def _tile(w: torch.Tensor) -> torch.Tensor:
     return tiled.view(torch.float8_e4m3fn)
 
 
+PROFILE_ENV = "MEGAMOE_PROFILE"
+# Slots of the profiling build's `megamoe_profile` counters (csrc/megamoe/common.cuh, ProfileSlot)
+PROFILE_SLOTS = (
+    "tile_wait", "stage_wait", "mainloop", "epilogue_l1", "epilogue_l2", "tiles_l1", "tiles_l2",
+    "producer_arrival", "producer_empty", "producer_total", "consumer_loop", "consumer_start",
+    "combine_barrier", "reduce", "consumer_total", "samplers", "dispatch_pull", "dispatch_schedule",
+)
+
+
+def profiling_enabled() -> bool:
+    """``MEGAMOE_PROFILE=1`` builds kernels with cycle counters (diagnostics only: slower, may spill)."""
+    return os.environ.get(PROFILE_ENV, "") == "1"
+
+
 class _Kernel:
     """A built, loaded variant."""
 
     def __init__(self, variant: Variant, device: torch.device):
         from .jit import KernelSource, build, load_module
 
-        source = KernelSource(name=variant.name, source=generate_source(variant), include_dirs=(str(csrc_dir()),))
+        self.profile = profiling_enabled()
+        name = variant.name + ("_profile" if self.profile else "")
+        source = KernelSource(name=name, source=generate_source(variant, self.profile), include_dirs=(str(csrc_dir()),))
         (built,) = build([source])
-        if built.report.has_spills:
+        if built.report.has_spills and not self.profile:
             raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
-        self.function = load_module(built.cubin_path, device.index).get_function(KERNEL_NAME)
+        self.module = load_module(built.cubin_path, device.index)
+        self.function = self.module.get_function(KERNEL_NAME)
         self.function.set_max_dynamic_smem(self.smem_bytes)
 
+    def reset_profile(self) -> None:
+        self._require_profile()
+        self.module.zero_global("megamoe_profile")
 
-_KERNELS: Dict[Tuple[Variant, int], _Kernel] = {}
+    def read_profile(self) -> Dict[str, int]:
+        """Counters summed over every launch since the last reset (synchronize first)."""
+        self._require_profile()
+        raw = self.module.read_global("megamoe_profile")
+        values = struct.unpack(f"<{len(raw) // 8}Q", raw)
+        return dict(zip(PROFILE_SLOTS, values))
+
+    def _require_profile(self) -> None:
+        if not self.profile:
+            raise MegaMoEError(f"kernel variant {self.variant.name} was built without counters; set {PROFILE_ENV}=1")
+
+
+_KERNELS: Dict[Tuple[Variant, int, bool], _Kernel] = {}
 
 
 def get_kernel(variant: Variant, device: torch.device) -> _Kernel:
-    key = (variant, device.index)
+    key = (variant, device.index, profiling_enabled())
     if key not in _KERNELS:
         _KERNELS[key] = _Kernel(variant, device)
     return _KERNELS[key]

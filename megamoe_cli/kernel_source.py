@@ -20,7 +20,7 @@ MAX_RANKS = 8
 BLOCK_N = 256
 SUPPORTED_BLOCK_M = (64, 128)
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
-SUPPORTED_STAGES = (2, 3, 4)
+SUPPORTED_STAGES = (2, 3, 4, 5)
 SUPPORTED_CLUSTER_M = (1, 2)
 KERNEL_NAME = "megamoe_kernel"
 NUM_THREADS = 384
@@ -179,7 +179,8 @@ def pack_params(
     return bytes(out)
 
 
-def generate_source(variant: Variant) -> str:
+def generate_source(variant: Variant, profile: bool = False) -> str:
+    """The variant's translation unit; ``profile`` adds the cycle counters (``megamoe_profile``)."""
     s = variant.shape
     defines = {
         "MEGAMOE_HIDDEN": s.hidden,
@@ -194,6 +195,8 @@ def generate_source(variant: Variant) -> str:
         "MEGAMOE_SMEM_BYTES": smem_bytes(variant),
     }
     head = "\n".join(f"#define {k} {v}u" for k, v in defines.items())
+    if profile:
+        head += "\n#define MEGAMOE_PROFILE 1"
     return (
         f"// Generated for variant {variant.name}\n"
         "#include <cstdint>\n#include <cuda.h>\n"
@@ -207,7 +210,8 @@ def smem_bytes(variant: Variant) -> int:
     """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
     e_local = variant.shape.num_experts // variant.num_ranks
     stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4)
-    staging = variant.block_m * BLOCK_N * 2 + 2 * 64 * 4
+    staging = variant.block_m * 128 + 2 * 64 * 4  # L1 epilogue: BLOCK_M x 128 fp8
     barriers = 16 * variant.num_stages
     schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
-    return stages + staging + barriers + schedule + 1024 + 256  # alignment slack
+    profile = 3 * 10 * 8  # cycle counters of profiling builds
+    return stages + staging + barriers + schedule + profile + 1024 + 256  # alignment slack

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|tiers|final|record|profile|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|tiers|final|record|profile|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 set -uo pipefail
 MODE=${1:-quick}
@@ -49,6 +49,14 @@ case "$MODE" in
     run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
     run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs ${TIMING_CONFIGS:-64:4,128:3,128:3:0:2}
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"
+    ;;
+  cycles)  # correctness at every world size, kernel-alone timing, cycle counters, EP2 layer times
+    export MEGAMOE_GPU_QUICK=1
+    run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
+    run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs ${TIMING_CONFIGS:-64:4,64:5,128:3,128:4}
+    run cycles_prefill 200 python3 scripts/profile_fused.py --profile --tokens 16384 --configs ${PROFILE_PREFILL:-128:4} --iters 3 --warmup 1
+    run cycles_decode 200 python3 scripts/profile_fused.py --profile --tokens 64 --configs ${PROFILE_DECODE:-64:5} --iters 3 --warmup 1
+    run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 1,128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"
     ;;
   tiers)
     run gpu_ws1 280 python3 -m pytest tests/gpu -q -p no:cacheprovider -m "not soak"

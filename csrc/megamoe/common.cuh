@@ -10,6 +10,21 @@
 
 #include "ptx.cuh"
 
+// Cycle counters for profiling builds (MEGAMOE_PROFILE): summed over CTAs, read by the host
+// through the module global; see megamoe_cli/fused.py:read_profile for the slot meanings.
+#ifdef MEGAMOE_PROFILE
+extern "C" {
+__device__ unsigned long long megamoe_profile[32];
+}
+#define MEGAMOE_PROF(...) __VA_ARGS__
+#define MEGAMOE_PROF_ADD(slot, value) atomicAdd(&megamoe_profile[slot], static_cast<unsigned long long>(value))
+#define MEGAMOE_PROF_CLOCK() clock64()
+#else
+#define MEGAMOE_PROF_CLOCK() uint64_t(0)
+#define MEGAMOE_PROF(...)
+#define MEGAMOE_PROF_ADD(slot, value) ((void)0)
+#endif
+
 namespace megamoe {
 
 constexpr uint32_t kHidden = MEGAMOE_HIDDEN;
@@ -64,6 +79,28 @@ constexpr uint32_t kStageTxBytes = kSmemABytes + kSmemBBytes + kSmemSfaBytes;
 constexpr uint32_t kBarSchedule = 1;   // all threads: schedule in shared memory is ready
 constexpr uint32_t kBarDispatch = 2;   // dispatch warps
 constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
+
+// Profiling build counters (cycles unless said; per sampling thread, summed over CTAs)
+enum ProfileSlot : uint32_t {
+    kProfTileWait = 0,        // consumer: waiting for the first stage of a tile
+    kProfStageWait = 1,       // consumer: waiting for the other stages of a tile
+    kProfMainloop = 2,        // consumer: k loop of a tile (includes kProfStageWait)
+    kProfEpilogueL1 = 3,
+    kProfEpilogueL2 = 4,
+    kProfTilesL1 = 5,         // count
+    kProfTilesL2 = 6,         // count
+    kProfProducerArrival = 7, // producer: waiting for a tile's A rows
+    kProfProducerEmpty = 8,   // producer: waiting for a free stage
+    kProfProducerTotal = 9,
+    kProfConsumerLoop = 10,
+    kProfConsumerStart = 11,  // consumer: kernel start -> schedule ready
+    kProfCombineBarrier = 12,
+    kProfReduce = 13,
+    kProfConsumerTotal = 14,
+    kProfSamplers = 15,       // count of consumer sampling threads
+    kProfDispatchPull = 16,
+    kProfDispatchSchedule = 17,  // dispatch: count, barriers, publish, schedule
+};
 
 // Phases named in timeout diagnostics
 enum Phase : uint32_t {

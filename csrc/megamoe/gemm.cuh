@@ -11,13 +11,14 @@ struct SharedStorage {
     uint8_t a[kNumStages][kSmemABytes];
     uint8_t b[kNumStages][kSmemBBytes];
     float sfa[kNumStages][kBlockM];
-    // Epilogue staging: L1 writes BLOCK_M x 128 fp8, L2 writes BLOCK_M x 256 bf16
-    alignas(128) uint8_t staging[kBlockM * kBlockN * sizeof(__nv_bfloat16)];
+    // L1 epilogue staging: BLOCK_M x 128 fp8 (the L2 epilogue stores from registers)
+    alignas(128) uint8_t staging[kBlockM * 128];
     float row_amax[2][64];
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
     uint32_t stage_tile[kNumStages];
     Schedule schedule;
+    MEGAMOE_PROF(uint64_t prof[3][10];)  // per consumer warpgroup (slots 0-6), then the producer
 };
 
 struct Tile {
@@ -88,9 +89,14 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
     TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5), blockIdx.x / kClusterM};
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
+    MEGAMOE_PROF(uint64_t& prof_arrival = ss.prof[2][0]; uint64_t& prof_empty = ss.prof[2][1]; prof_arrival = prof_empty = 0;
+                 ss.prof[2][2] = clock64();)
     while (true) {
         const uint32_t t = source.next();
         if (t >= total) {
+            MEGAMOE_PROF_ADD(kProfProducerArrival, prof_arrival);
+            MEGAMOE_PROF_ADD(kProfProducerEmpty, prof_empty);
+            MEGAMOE_PROF_ADD(kProfProducerTotal, clock64() - ss.prof[2][2]);
             const uint32_t stage = it % kNumStages;
             mbar_wait(p, &ss.empty[stage], ((it / kNumStages) & 1) ^ 1);
             ss.stage_tile[stage] = kNoMoreTiles;
@@ -102,11 +108,15 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             // Wait until the tile's A rows landed
             const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
             const uint32_t target = tile.is_l2 ? kNumL1NTiles : s.valid_rows(tile.expert, tile.block);
+            MEGAMOE_PROF(const uint64_t prof_t0 = clock64();)
             uint32_t now = ptx::ld_acquire_gpu_u32(counter);
+            MEGAMOE_PROF(prof_arrival += clock64() - prof_t0;)
             if (now < target) {
+                MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
                 Deadline d(p.timeout_ns);
                 while ((now = ptx::ld_acquire_gpu_u32(counter)) < target)
                     d.check(p, tile.is_l2 ? kPhaseL2Arrival : kPhaseL1Arrival, target, now, tile.block);
+                MEGAMOE_PROF(prof_arrival += clock64() - prof_t1;)
             }
             ptx::fence_proxy_async_global();
         }
@@ -123,7 +133,9 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
+            MEGAMOE_PROF(const uint64_t prof_t2 = clock64();)
             mbar_wait(p, &ss.empty[stage], phase ^ 1);
+            MEGAMOE_PROF(prof_empty += clock64() - prof_t2;)
             ss.stage_tile[stage] = t;
             ptx::mbar_arrive_expect_tx(&ss.full[stage], tile.valid ? kStageTxBytes : kSmemBBytes);
             if (tile.valid) {
@@ -251,40 +263,45 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
     }
 }
 
-// L2 epilogue: BF16 rows pushed straight into the source rank's combine slot [k][token].
+// L2 epilogue: BF16 rows pushed straight from the accumulators into the source rank's
+// combine slot [k][token].  W2's output rows are permuted inside every 32-row group (see
+// transform_weights_for_mega_moe): accumulator column 32 jj + 8 t + 2 q + e holds output
+// column 32 jj + 8 q + 2 t + e, so lane q of a quad owns 8 consecutive output columns
+// (16 bytes) per 32-column group and writes them with one vector store; no staging.
 __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
                                             const float (&acc)[64 * kNumHalvesPerWg], WgSlice slice, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
-    __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(ss.staging);  // [BLOCK_M][256]
-    #pragma unroll
-    for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
-        #pragma unroll
-        for (uint32_t j = 0; j < 16; ++j) {
-            #pragma unroll
-            for (uint32_t r = 0; r < 2; ++r) {
-                const __nv_bfloat162 v = __floats2bfloat162_rn(acc[64 * h + 4 * j + 2 * r], acc[64 * h + 4 * j + 2 * r + 1]);
-                *reinterpret_cast<__nv_bfloat162*>(staging + (r0 + 8 * r) * kBlockN + slice.half(h) * 128 + 8 * j +
-                                                   2 * q) = v;
-            }
-        }
-    }
-    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-
     const uint32_t valid = ss.schedule.valid_rows(tile.expert, tile.block);
     const int4* meta = at<int4>(p, p.off_pool_src_meta);
     __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
-    const uint32_t consumer_warp = (tid % kNumConsumerThreads) / 32;
-    for (uint32_t row = consumer_warp; row < valid; row += 8) {
+    #pragma unroll
+    for (uint32_t r = 0; r < 2; ++r) {
+        const uint32_t row = r0 + 8 * r;
+        if (row >= valid)
+            continue;
         const int4 src = __ldcg(meta + m0 + row);
         __nv_bfloat16* dst = combine +
                              (static_cast<uint64_t>(src.z) * kNumMaxTokens + static_cast<uint32_t>(src.y)) * kHidden +
                              tile.n * kBlockN;
         dst = map_to_rank(p, dst, static_cast<uint32_t>(src.x));
-        reinterpret_cast<int4*>(dst)[lane] = reinterpret_cast<const int4*>(staging + row * kBlockN)[lane];
+        #pragma unroll
+        for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+            #pragma unroll
+            for (uint32_t jj = 0; jj < 4; ++jj) {
+                uint32_t packed[4];
+                #pragma unroll
+                for (uint32_t t = 0; t < 4; ++t) {
+                    const uint32_t i = 64 * h + 4 * (4 * jj + t) + 2 * r;
+                    const __nv_bfloat162 v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+                    packed[t] = *reinterpret_cast<const uint32_t*>(&v);
+                }
+                *reinterpret_cast<uint4*>(dst + slice.half(h) * 128 + 32 * jj + 8 * q) =
+                    make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            }
+        }
     }
-    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
 }
 
 // MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.
@@ -300,9 +317,13 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
     const float* w2_sf = reinterpret_cast<const float*>(p.w2_sf);
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
+    MEGAMOE_PROF(const bool prof = tid % 128 == 0; uint64_t* prof_c = ss.prof[wg];
+                 if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[9] = clock64(); })
     while (true) {
         // The first stage of a tile says which tile it is (or that none is left).
+        MEGAMOE_PROF(if (prof) prof_c[8] = clock64();)
         mbar_wait(p, &ss.full[it % kNumStages], (it / kNumStages) & 1);
+        MEGAMOE_PROF(if (prof) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
         const uint32_t t = ss.stage_tile[it % kNumStages];
         if (t == kNoMoreTiles)
             break;
@@ -338,7 +359,9 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
                     sfb_odd[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2 + 1);
                 }
             }
+            MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
             mbar_wait(p, &ss.full[stage], phase);
+            MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
             const float sfa0 = ss.sfa[stage][r0];
             const float sfa1 = ss.sfa[stage][r0 + 8];
             const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
@@ -372,11 +395,24 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
                 }
             }
         }
+        MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof) prof_c[kProfMainloop] += prof_t2 - prof_c[8];)
         if (tile.is_l2)
             epilogue_l2(p, ss, tile, acc, slice, tid);
         else
             epilogue_l1(p, ss, tile, acc, slice, tid);
+        MEGAMOE_PROF(if (prof && tile.is_l2) {
+            prof_c[kProfEpilogueL2] += clock64() - prof_t2;
+            prof_c[kProfTilesL2] += 1;
+        } else if (prof) {
+            prof_c[kProfEpilogueL1] += clock64() - prof_t2;
+            prof_c[kProfTilesL1] += 1;
+        })
     }
+    MEGAMOE_PROF(if (prof) {
+        for (uint32_t i = 0; i < 7; ++i)
+            MEGAMOE_PROF_ADD(i, prof_c[i]);
+        MEGAMOE_PROF_ADD(kProfConsumerLoop, clock64() - prof_c[9]);
+    })
 }
 
 }  // namespace megamoe

@@ -22,6 +22,7 @@ __device__ __forceinline__ SharedStorage& shared_storage() {
 }
 
 __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss, uint32_t dispatch_thread) {
+    MEGAMOE_PROF(if (dispatch_thread == 0) ss.prof[2][4] = clock64();)
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     Schedule& s = ss.schedule;
 
@@ -46,13 +47,22 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
     ptx::named_bar_arrive(kBarSchedule, kNumThreads);
 
+    MEGAMOE_PROF(if (dispatch_thread == 0) ss.prof[2][5] = clock64();)
     dispatch_pull(p, s, dispatch_thread / 32, dispatch_thread % 32);
+    MEGAMOE_PROF(if (dispatch_thread == 0) {
+        MEGAMOE_PROF_ADD(kProfDispatchSchedule, ss.prof[2][5] - ss.prof[2][4]);
+        MEGAMOE_PROF_ADD(kProfDispatchPull, clock64() - ss.prof[2][5]);
+    })
 }
 
 __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     const uint32_t ct = wg * 128 + tid % 128;
+    MEGAMOE_PROF(const bool prof = tid % 128 == 0;
+                 if (prof) { MEGAMOE_PROF_ADD(kProfConsumerStart, clock64() - ss.prof[2][3]);
+                             MEGAMOE_PROF_ADD(kProfSamplers, 1); })
     consumer_loop(p, ss, wg, tid, kClusterM == 1 ? 0 : ptx::cluster_ctarank());
+    MEGAMOE_PROF(if (prof) ss.prof[wg][8] = clock64();)
 
     // Every local L2 push is done; wait for every rank's pushes into our combine buffer.
     __threadfence_system();
@@ -64,6 +74,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
         grid_barrier(p, grid_sync + 2, kPhaseCombineBarrier);
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+    MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); })
 
     // Cleanup: every counter this call used returns to zero for the next call.
     const uint32_t gt = blockIdx.x * kNumConsumerThreads + ct;
@@ -81,6 +92,10 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
         grid_sync[5] = 0;  // tile counter: every producer has taken its last tile
 
     combine_reduce(p, blockIdx.x * 8 + ct / 32, gridDim.x * 8, ct % 32);
+    MEGAMOE_PROF(if (prof) {
+        MEGAMOE_PROF_ADD(kProfReduce, clock64() - ss.prof[wg][8]);
+        MEGAMOE_PROF_ADD(kProfConsumerTotal, clock64() - ss.prof[2][3]);
+    })
 
     if (blockIdx.x == 0 && ct == 0)
         grid_sync[4] = ss.schedule.epoch + 1;
@@ -94,6 +109,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     if (threadIdx.x == 0) {
+        MEGAMOE_PROF(ss.prof[2][3] = clock64();)
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++i) {
             ptx::mbar_init(&ss.full[i], 1);

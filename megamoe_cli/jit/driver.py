@@ -81,6 +81,9 @@ _SIGNATURES = {
     "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
     "cuModuleLoadData": [_c_void_pp, ctypes.c_void_p],
     "cuModuleGetFunction": [_c_void_pp, ctypes.c_void_p, ctypes.c_char_p],
+    "cuModuleGetGlobal_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p, ctypes.c_char_p],
+    "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
+    "cuMemsetD8_v2": [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t],
     "cuFuncSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
     "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p],
     "cuFuncGetParamInfo": [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
@@ -383,6 +386,25 @@ class CudaModule:
         _call("cuCtxGetCurrent", ctypes.byref(current))
         if current.value != self.context:
             _call("cuCtxSetCurrent", ctypes.c_void_p(self.context))
+
+    def global_address(self, name: str) -> Tuple[int, int]:
+        """(device address, size in bytes) of the module's ``extern "C" __device__`` variable ``name``."""
+        self.make_current()
+        address, size = ctypes.c_uint64(), ctypes.c_size_t()
+        _call("cuModuleGetGlobal_v2", ctypes.byref(address), ctypes.byref(size), ctypes.c_void_p(self.handle),
+              name.encode(), what=f"{name} in {self.path}")
+        return address.value, size.value
+
+    def read_global(self, name: str) -> bytes:
+        """The bytes of a module global (synchronous copy; the context's work must be done)."""
+        address, size = self.global_address(name)
+        data = ctypes.create_string_buffer(size)
+        _call("cuMemcpyDtoH_v2", data, ctypes.c_uint64(address), ctypes.c_size_t(size), what=name)
+        return data.raw
+
+    def zero_global(self, name: str) -> None:
+        address, size = self.global_address(name)
+        _call("cuMemsetD8_v2", ctypes.c_uint64(address), ctypes.c_ubyte(0), ctypes.c_size_t(size), what=name)
 
     def get_function(self, name: str) -> CudaFunction:
         with _lock:
