@@ -177,8 +177,10 @@ def transform_weights_for_mega_moe(
     rows and of its 64 up rows.  L2 ``[E, H, I]`` has its output rows permuted inside every
     32-row group (row ``8 t + 2 q + e`` of a group holds output channel ``8 q + 2 t + e``), so
     each lane of the L2 epilogue owns 16 contiguous output bytes and stores them straight from
-    its accumulators; the permutation stays inside one 128-row scale block, so the L2 scales
-    ``[E, H/128, I/128]`` are kept.
+    its accumulators.  Its K columns are permuted inside every 64-column group the way the L1
+    epilogue stores activations (channel ``8 g + 2 q + e`` at column ``16 q + 2 g + e``, so each
+    lane stores 16 contiguous FP8 bytes).  Both permutations stay inside one 128-wide scale
+    block, so the L2 scales ``[E, H/128, I/128]`` are kept.
 
     Both weights are then stored tile by tile, ``[E, N/256, K/128, 256, 128]``: the 32 KiB the
     kernel loads per pipeline stage (256 output rows x one 128-wide K block) is contiguous, so
@@ -216,7 +218,10 @@ def transform_weights_for_mega_moe(
     gate_sf = w1_sf[:, : i // 128].repeat_interleave(2, dim=1)
     up_sf = w1_sf[:, i // 128 :].repeat_interleave(2, dim=1)
     w1_sf_t = torch.stack([gate_sf, up_sf], dim=-1).contiguous()
+    # output rows: inside each 32-row group, row 8 t + 2 q + e <- channel 8 q + 2 t + e
     w2_t = w2.view(torch.uint8).view(e, h // 32, 4, 4, 2, i).transpose(2, 3).reshape(e, h, i)
+    # K columns: inside each 64-column group, column 16 q + 2 g + e <- channel 8 g + 2 q + e
+    w2_t = w2_t.view(e, h, i // 64, 8, 4, 2).transpose(3, 4).reshape(e, h, i)
     return (ExpertWeights(_tile(w1_t), w1_sf_t), ExpertWeights(_tile(w2_t), w2_sf.contiguous()))
 
 

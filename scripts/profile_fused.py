@@ -2,6 +2,9 @@
 
 The kernel's own time (CUDA events around `mega_moe`, inputs already in the buffer) is the
 second roofline next to `megamoe bench`'s layer time.  Under `ncu`, pass --iters 1.
+Under torchrun (one rank per GPU) every rank runs its share of an expert-parallel layer and the
+slowest rank's median is printed, both for the kernel alone and for the layer call (input
+copies included).
 
     python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,128:3
 
@@ -15,6 +18,8 @@ import statistics
 import sys
 
 import torch
+
+import torch.distributed as dist
 
 from megamoe_cli.fused import FusedBackend, mega_moe, synchronize
 from megamoe_cli.gpus import gpu_spec
@@ -34,10 +39,31 @@ def main() -> None:
     if args.profile:
         os.environ["MEGAMOE_PROFILE"] = "1"
     shape = preset(args.preset)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    group = None
+    if world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        group = dist.group.WORLD
     spec = gpu_spec(torch.cuda.get_device_name())
-    print(f"{'tokens':>7} {'block_m':>7} {'stages':>6} {'sms':>4} {'clu':>3} {'us':>10} {'TFLOPS':>8} {'weights GB/s':>12}")
+
+    def slowest(value: float) -> float:
+        if world == 1:
+            return value
+        t = torch.tensor([value], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    say(f"{'tokens':>7} {'block_m':>7} {'stages':>6} {'sms':>4} {'clu':>3} {'us':>10} {'TFLOPS':>8} {'weights GB/s':>12}"
+        + ("   layer us (ranks: %d)" % world if world > 1 else ""))
     for tokens in [int(t) for t in args.tokens.split(",")]:
-        problem = make_problem(shape, 0, 1, tokens, tokens, "cuda", seed=tokens)
+        problem = make_problem(shape, rank, world, tokens, tokens, "cuda", seed=tokens)
         pairs = int((problem.topk_idx >= 0).sum())
         experts = torch.unique(problem.topk_idx[problem.topk_idx >= 0]).numel()
         weight_bytes = experts * 3 * shape.hidden * shape.intermediate
@@ -48,32 +74,46 @@ def main() -> None:
                 config["num_sms"] = fields[2]
             if len(fields) > 3:
                 config["cluster_m"] = fields[3]
-            runner = FusedBackend().prepare(problem, None, config)
+            runner = FusedBackend().prepare(problem, group, config)
             runner()
             synchronize(runner.buf)
             for _ in range(args.warmup):
                 mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
-            times = []
+            times, layer_times = [], []
             for _ in range(args.iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
-                end.record()
-                synchronize(runner.buf)
-                times.append(start.elapsed_time(end) * 1e3)
-            us = statistics.median(times)
+                for call, into in ((lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg),
+                                    times), (runner, layer_times)):
+                    if world > 1:
+                        dist.barrier()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    call()
+                    end.record()
+                    synchronize(runner.buf)
+                    into.append(start.elapsed_time(end) * 1e3)
+            us = slowest(statistics.median(times))
+            layer_us = slowest(statistics.median(layer_times))
             tflops = pairs * shape.flops_per_pair() / us / 1e6
             gbps = weight_bytes / us / 1e3
-            print(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {config.get('cluster_m', 1):>3} {us:>10.1f} "
-                  f"{tflops:>8.1f} {gbps:>12.1f}   (floor {weight_bytes / spec.hbm_bytes_per_s * 1e6:.0f} us HBM, "
-                  f"{pairs * shape.flops_per_pair() / spec.fp8_flops * 1e6:.0f} us FP8)", flush=True)
+            say(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {config.get('cluster_m', 1):>3} {us:>10.1f} "
+                f"{tflops:>8.1f} {gbps:>12.1f}   (floor {weight_bytes / spec.hbm_bytes_per_s * 1e6:.0f} us HBM, "
+                f"{pairs * shape.flops_per_pair() / spec.fp8_flops * 1e6:.0f} us FP8)"
+                + (f"   layer {layer_us:.1f}" if world > 1 else ""))
             if args.profile:
-                print_profile(runner, config)
+                if world > 1:
+                    dist.barrier()
+                counters = profile_call(runner)  # every rank takes part in the profiled call
+                for r in range(world):
+                    if world > 1:
+                        dist.barrier()
+                    if r == rank:
+                        print_profile(counters, config, rank if world > 1 else None)
             del runner
             torch.cuda.empty_cache()
 
 
-def print_profile(runner, config) -> None:
+def profile_call(runner) -> dict:
+    """Cycle counters of one kernel call (the variant built with MEGAMOE_PROFILE=1)."""
     from megamoe_cli.fused import get_kernel
     from megamoe_cli.kernel_source import variant_for
 
@@ -82,14 +122,17 @@ def print_profile(runner, config) -> None:
     kernel.reset_profile()
     mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
     synchronize(runner.buf)
-    c = kernel.read_profile()
+    return kernel.read_profile()
+
+
+def print_profile(c: dict, config, rank=None) -> None:
     n = max(c["samplers"], 1)  # consumer warpgroups
     ctas = max(n // 2, 1)
     total = c["consumer_total"] / n
     def pct(v):
         return f"{100.0 * v / total:5.1f}%"
     lines = [
-        f"    profile {config}: per consumer warpgroup, cycles (share of its kernel time {total:.0f})",
+        f"    profile{'' if rank is None else f' rank {rank}'} {config}: per consumer warpgroup, cycles (share of its kernel time {total:.0f})",
         f"      start (schedule)    {c['consumer_start'] / n:12.0f} {pct(c['consumer_start'] / n)}",
         f"      tile first-stage wait {c['tile_wait'] / n:10.0f} {pct(c['tile_wait'] / n)}",
         f"      mainloop            {c['mainloop'] / n:12.0f} {pct(c['mainloop'] / n)}  (of which stage waits "

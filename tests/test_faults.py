@@ -172,9 +172,9 @@ def variant(shape=SMALL, num_ranks=1, block_m=64, num_stages=3):
         (lambda: variant(MoEShape(hidden=512, intermediate=256, num_experts=64, num_topk=33)),
          "the fused kernel supports num_topk <= 32, got 33"),
         (lambda: variant(block_m=32), "block_m=32 is not supported by the fused kernel; expected one of (64, 128)"),
-        (lambda: variant(num_stages=5), "num_stages=5; expected one of (2, 3, 4)"),
+        (lambda: variant(num_stages=6), "num_stages=6; expected one of (2, 3, 4, 5)"),
         (lambda: KernelConfig(cluster_m=3), "cluster_m=3; expected one of"),
-        (lambda: variant(PRESETS["deepseek-v3"], 1, 128, 4), "bytes of shared memory, more than the 232448"),
+        (lambda: variant(PRESETS["deepseek-v3"], 1, 128, 5), "bytes of shared memory, more than the 232448"),
     ],
 )
 def test_variants_the_kernel_cannot_run_are_refused(build, message):
@@ -184,7 +184,7 @@ def test_variants_the_kernel_cannot_run_are_refused(build, message):
 
 
 def test_the_shared_memory_refusal_names_the_variant_and_its_need():
-    v = variant(PRESETS["deepseek-v3"], 1, 128, 4)
+    v = variant(PRESETS["deepseek-v3"], 1, 128, 5)
     assert smem_bytes(v) > MAX_SMEM_BYTES
     with pytest.raises(MegaMoEError) as caught:
         v.validate()

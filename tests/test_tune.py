@@ -81,8 +81,8 @@ def test_shipped_tune_sweeps_cover_both_shapes_at_decode_and_prefill_and_are_ben
             assert plan.point.iters <= 10 and plan.point.backend == "fused"
             assert [c.is_default for c in plan.candidates].count(True) == 1
             seen[(plan.point.preset, plan.point.num_tokens)] = (len(plan.candidates), len(plan.excluded))
-    assert seen == {("deepseek-v3", 128): (12, 0), ("seed-default", 128): (12, 0),
-                    ("deepseek-v3", 8192): (8, 4), ("seed-default", 8192): (8, 4)}
+    assert seen == {("deepseek-v3", 128): (16, 0), ("seed-default", 128): (16, 0),
+                    ("deepseek-v3", 8192): (12, 4), ("seed-default", 8192): (12, 4)}
 
 
 def test_token_counts_are_tuned_at_their_bucket_upper_edge():
@@ -139,19 +139,19 @@ def test_flags_build_the_same_sweep_as_a_file():
 def test_candidates_always_include_the_default_and_record_every_exclusion():
     sweep = lib.validate_tune_sweep({
         "name": "t", "shape": {"preset": "deepseek-v3"}, "num_tokens": [8192], "block_m": [32, 128],
-        "candidates": {"num_stages": [3, 4], "cluster_m": [1], "num_sms": ["all", 132, 200]},
+        "candidates": {"num_stages": [4, 5], "cluster_m": [1], "num_sms": ["all", 132, 200]},
     }, "x")
     (plan,) = lib.plan_tune(sweep, 2, "NVIDIA H200")
     chosen = heuristics.default_config(DSV3, 2, 8192, "H200")
     assert plan.default.config() == chosen and plan.default.is_default
     assert plan.key == tuned.make_key("H200", 2, DSV3, 8192)
-    assert [c.label for c in plan.candidates] == ["block_m=128 num_stages=3 cluster_m=1 num_sms=all"]
+    assert [c.label for c in plan.candidates] == ["block_m=128 num_stages=4 cluster_m=1 num_sms=all"]
     reasons = {(r.candidate.block_m, r.candidate.num_stages, r.candidate.num_sms): r.reason for r in plan.excluded}
     assert all(r.status == EXCLUDED and r.stage == "config" for r in plan.excluded)
-    assert "block_m=32 is not supported" in reasons[(32, 3, 0)]
-    assert "shared memory" in reasons[(128, 4, 0)] and "269" in reasons[(128, 4, 0)]
-    assert "the same launch as num_sms=all (H200 has 132 SMs)" == reasons[(128, 3, 132)]
-    assert "num_sms=200 is more than the 132 SMs of an H200" == reasons[(128, 3, 200)]
+    assert "block_m=32 is not supported" in reasons[(32, 4, 0)]
+    assert "shared memory" in reasons[(128, 5, 0)] and "254036" in reasons[(128, 5, 0)]
+    assert "the same launch as num_sms=all (H200 has 132 SMs)" == reasons[(128, 4, 132)]
+    assert "num_sms=200 is more than the 132 SMs of an H200" == reasons[(128, 4, 200)]
     # 2 block_m x 2 stages x 3 SM counts, the default among them: every one is accounted for.
     assert len(plan.candidates) + len(plan.excluded) == 12
 
@@ -656,8 +656,8 @@ def test_dry_run_lists_candidates_and_exclusions_without_a_gpu(store):
     assert [p["point"] for p in points] == ["deepseek-v3 ws2 tokens<=8192 (H200)",
                                             "seed-default ws2 tokens<=8192 (H200)"]
     statuses = [c["status"] for c in points[0]["candidates"]]
-    assert statuses.count("planned") == 8 and statuses.count("excluded") == 4
-    assert "shared memory" in result.stderr and "dry run: 16 candidate(s) over 2 point(s)" in result.stderr
+    assert statuses.count("planned") == 12 and statuses.count("excluded") == 4
+    assert "shared memory" in result.stderr and "dry run: 24 candidate(s) over 2 point(s)" in result.stderr
     assert not store.exists()
 
 

@@ -11,8 +11,6 @@ struct SharedStorage {
     uint8_t a[kNumStages][kSmemABytes];
     uint8_t b[kNumStages][kSmemBBytes];
     float sfa[kNumStages][kBlockM];
-    // L1 epilogue staging: BLOCK_M x 128 fp8 (the L2 epilogue stores from registers)
-    alignas(128) uint8_t staging[kBlockM * 128];
     float row_amax[2][64];
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
@@ -177,6 +175,9 @@ struct WgSlice {
 // L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
 // per row per 128 channels.  Tile half c holds channels [64 c, 64 c + 64) of the tile's
 // 128; inside a half, accumulator column 16 g + i is gate channel 8 g + i, 16 g + 8 + i up.
+// The act of channel 8 g + 2 q + e (lane q of a quad) is stored at pool column 16 q + 2 g + e
+// of the half, so each lane stores its 16 values of a row as one 16-byte vector; W2's K
+// columns carry the same permutation (transform_weights_for_mega_moe).
 __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
                                             float (&acc)[64 * kNumHalvesPerWg], WgSlice slice, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
@@ -224,18 +225,25 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
         sf[r] = fmaxf(amax[r], 1e-4f) / 448.0f;
         inv[r] = 1.0f / sf[r];
     }
-    uint8_t* staging = ss.staging;  // [BLOCK_M][128] fp8
+    uint8_t* pool = at<uint8_t>(p, p.off_l2_pool);
     #pragma unroll
-    for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+    for (uint32_t r = 0; r < 2; ++r) {
+        uint8_t* dst = pool + static_cast<uint64_t>(m0 + r0 + 8 * r) * kIntermediate + tile.n * 128 + 16 * q;
         #pragma unroll
-        for (uint32_t g = 0; g < 8; ++g) {
+        for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+            uint32_t packed[4];
             #pragma unroll
-            for (uint32_t r = 0; r < 2; ++r) {
-                const float2 v = make_float2(acc[64 * h + 8 * g + 2 * r] * inv[r], acc[64 * h + 8 * g + 2 * r + 1] * inv[r]);
-                const __nv_fp8x2_storage_t packed = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
-                *reinterpret_cast<__nv_fp8x2_storage_t*>(staging + (r0 + 8 * r) * 128 + slice.half(h) * 64 + 8 * g +
-                                                         2 * q) = packed;
+            for (uint32_t w = 0; w < 4; ++w) {
+                // bytes 4 w .. 4 w + 3 = channels g = 2 w, 2 w + 1 (e = 0, 1 each)
+                const float* a0 = &acc[64 * h + 8 * (2 * w) + 2 * r];
+                const float* a1 = &acc[64 * h + 8 * (2 * w + 1) + 2 * r];
+                const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a0[0] * inv[r], a0[1] * inv[r]),
+                                                                         __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(a1[0] * inv[r], a1[1] * inv[r]),
+                                                                         __NV_SATFINITE, __NV_E4M3);
+                packed[w] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
             }
+            *reinterpret_cast<uint4*>(dst + slice.half(h) * 64) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
     }
     if ((kBlockM == 128 || slice.wg == 0) && q == 0) {
@@ -243,21 +251,11 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
         pool_sf[r0] = sf[0];
         pool_sf[r0 + 8] = sf[1];
     }
-    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-
-    uint8_t* pool = at<uint8_t>(p, p.off_l2_pool);
-    const uint32_t ct = tid % kNumConsumerThreads;
-    #pragma unroll
-    for (uint32_t idx = ct; idx < kBlockM * 8; idx += kNumConsumerThreads) {
-        const uint32_t row = idx / 8, chunk = idx % 8;
-        *reinterpret_cast<int4*>(pool + static_cast<uint64_t>(m0 + row) * kIntermediate + tile.n * 128 + chunk * 16) =
-            *reinterpret_cast<const int4*>(staging + row * 128 + chunk * 16);
-    }
     // NOTES: the L2 producer reads these rows with TMA (async proxy) after acquiring
     // the block's counter, so every writer fences the proxies before the release.
     ptx::fence_proxy_async_global();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-    if (ct == 0) {
+    if (tid % kNumConsumerThreads == 0) {
         __threadfence();
         ptx::red_release_gpu_add_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block, 1);
     }
