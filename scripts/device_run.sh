@@ -53,11 +53,15 @@ case "$MODE" in
   cycles)  # correctness at every world size, kernel-alone timing, cycle counters, EP layer times
     export MEGAMOE_GPU_QUICK=1
     run gpu_wsN 300 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
-    run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs ${TIMING_CONFIGS:-64:4,64:5,128:4}
+    run timing 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs ${TIMING_CONFIGS:-64:4,128:4}
+    CUOBJDUMP=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
+    for d in "$MEGAMOE_CACHE_DIR"/megamoe_h7168_i2048_e256_k8_r1_t16384_m128_s4_c1-*; do
+      [ -f "$d/kernel.cubin" ] && "$CUOBJDUMP" -sass "$d/kernel.cubin" > "$OUT/sass_m128_s4.txt" 2>&1
+    done
     run cycles_prefill 200 python3 scripts/profile_fused.py --profile --tokens 16384 --configs ${PROFILE_PREFILL:-128:4} --iters 3 --warmup 1
     if [ "$NGPU" -gt 1 ]; then
-      run ep_decode 200 torchrun --standalone --nproc-per-node "$NGPU" scripts/profile_fused.py --tokens 1,128 --configs 64:5 --iters 10
-      run ep_cycles_decode 200 torchrun --standalone --nproc-per-node "$NGPU" scripts/profile_fused.py --profile --tokens 1,128 --configs 64:5 --iters 3 --warmup 1
+      run ep_decode 200 torchrun --standalone --nproc-per-node "$NGPU" scripts/profile_fused.py --tokens 1,128 --configs 64:4 --iters 10
+      run ep_cycles_decode 200 torchrun --standalone --nproc-per-node "$NGPU" scripts/profile_fused.py --profile --tokens 1,128 --configs 64:4 --iters 3 --warmup 1
       run ep_cycles_prefill 200 torchrun --standalone --nproc-per-node "$NGPU" scripts/profile_fused.py --profile --tokens 8192 --configs 128:4 --iters 3 --warmup 1
     fi
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 1,128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"

@@ -137,7 +137,8 @@ def print_profile(c: dict, config, rank=None) -> None:
         f"      tile first-stage wait {c['tile_wait'] / n:10.0f} {pct(c['tile_wait'] / n)}",
         f"      mainloop            {c['mainloop'] / n:12.0f} {pct(c['mainloop'] / n)}  (of which stage waits "
         f"{c['stage_wait'] / n:.0f} = {pct(c['stage_wait'] / n)})",
-        f"      epilogue L1         {c['epilogue_l1'] / n:12.0f} {pct(c['epilogue_l1'] / n)}  over {c['tiles_l1'] / n:.1f} tiles",
+        f"      epilogue L1         {c['epilogue_l1'] / n:12.0f} {pct(c['epilogue_l1'] / n)}  over {c['tiles_l1'] / n:.1f} tiles (math+stores "
+        f"{c['epilogue_l1_math'] / n:.0f}, fence+barrier+release {c['epilogue_l1_release'] / n:.0f})",
         f"      epilogue L2         {c['epilogue_l2'] / n:12.0f} {pct(c['epilogue_l2'] / n)}  over {c['tiles_l2'] / n:.1f} tiles",
         f"      combine barrier     {c['combine_barrier'] / n:12.0f} {pct(c['combine_barrier'] / n)}",
         f"      reduce              {c['reduce'] / n:12.0f} {pct(c['reduce'] / n)}",

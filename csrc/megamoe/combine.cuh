@@ -12,7 +12,7 @@ __device__ __forceinline__ void combine_reduce(const Params& p, uint32_t global_
     const __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
     __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(p.y);
     constexpr uint32_t kChunks = kHidden / 8;
-    constexpr uint32_t kUnroll = 2;
+    constexpr uint32_t kUnroll = 4;
     for (uint32_t t = global_warp; t < p.num_tokens; t += num_warps) {
         const bool valid = lane < kNumTopk && topk_idx[static_cast<uint64_t>(t) * kNumTopk + lane] >= 0;
         const uint32_t mask = __ballot_sync(0xffffffffu, valid);

@@ -100,6 +100,8 @@ enum ProfileSlot : uint32_t {
     kProfSamplers = 15,       // count of consumer sampling threads
     kProfDispatchPull = 16,
     kProfDispatchSchedule = 17,  // dispatch: count, barriers, publish, schedule
+    kProfEpilogueL1Math = 18,    // L1 epilogue up to its stores
+    kProfEpilogueL1Release = 19, // L1 epilogue: proxy fence, barrier, release
 };
 
 // Phases named in timeout diagnostics

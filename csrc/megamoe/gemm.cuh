@@ -162,7 +162,7 @@ __device__ __forceinline__ void release_stage(SharedStorage& ss, uint32_t stage)
     }
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
 // What one consumer warpgroup owns inside a tile: 64 rows starting at `row_base`, and
 // kNumHalvesPerWg 128-column halves (`half(h)` is the tile half of local half h).
@@ -253,6 +253,7 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
     }
     // NOTES: the L2 producer reads these rows with TMA (async proxy) after acquiring
     // the block's counter, so every writer fences the proxies before the release.
+    MEGAMOE_PROF(if (tid % 128 == 0) ss.prof[slice.wg][7] = clock64();)
     ptx::fence_proxy_async_global();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     if (tid % kNumConsumerThreads == 0) {
@@ -404,6 +405,8 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
         } else if (prof) {
             prof_c[kProfEpilogueL1] += clock64() - prof_t2;
             prof_c[kProfTilesL1] += 1;
+            MEGAMOE_PROF_ADD(kProfEpilogueL1Math, prof_c[7] - prof_t2);
+            MEGAMOE_PROF_ADD(kProfEpilogueL1Release, clock64() - prof_c[7]);
         })
     }
     MEGAMOE_PROF(if (prof) {
