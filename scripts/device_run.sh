@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|tiers|final|record|profile|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|tiers|final|publish|record|profile|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 set -uo pipefail
 MODE=${1:-quick}
@@ -89,6 +89,16 @@ case "$MODE" in
     run gpu_wsN 240 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -q -p no:cacheprovider
     run bench_graph 200 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 1,128,1024 \
       --backend fused,fused-graph,torch --iters 20 --out "$OUT/bench_graph.csv"
+    ;;
+  publish)  # the quick GPU tier at world size 1 and at every GPU, then the published curve
+    export MEGAMOE_GPU_QUICK=1
+    run gpu_ws1 180 python3 -m pytest tests/gpu -q -p no:cacheprovider
+    if [ "$NGPU" -gt 1 ]; then
+      run gpu_wsN 220 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu -q -p no:cacheprovider
+    fi
+    unset MEGAMOE_GPU_QUICK
+    run record 180 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
+    python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null
     ;;
   record)
     run record 560 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"

@@ -200,3 +200,13 @@ def test_summary_speedup_vs_torch_pairs_rows_of_the_same_run_and_problem(tmp_pat
     assert speedups[1] == pytest.approx(1.0)
     assert all(math.isnan(s) for s in speedups[2:])
     assert list(view["shape"]) == ["small"] * 5
+
+
+def test_result_rows_take_the_commit_from_the_environment_over_a_checkouts_own(tmp_path, monkeypatch):
+    from megamoe_cli.bench import envinfo
+
+    monkeypatch.setenv(envinfo.ENV_GIT_COMMIT, "cb23d82")
+    assert envinfo.git_info() == {"git_commit": "cb23d82", "git_dirty": None}
+    assert envinfo.git_info(tmp_path) == {"git_commit": "cb23d82", "git_dirty": None}
+    monkeypatch.delenv(envinfo.ENV_GIT_COMMIT)
+    assert envinfo.git_info(tmp_path) == {"git_commit": "", "git_dirty": None}

@@ -51,11 +51,14 @@ ENV_GIT_COMMIT = "MEGAMOE_GIT_COMMIT"
 
 
 def git_info(root: Path = SOURCE_ROOT) -> Dict[str, Any]:
-    """The checkout's commit; a source copy without git history (a tree copied to a GPU host)
-    reports ``$MEGAMOE_GIT_COMMIT`` instead, with unknown dirtiness."""
+    """The checkout's commit.  ``$MEGAMOE_GIT_COMMIT``, where set, wins (with unknown
+    dirtiness): a tree copied to a GPU host has no git history of its own, or a stale one."""
+    override = os.environ.get(ENV_GIT_COMMIT, "")
+    if override:
+        return {"git_commit": override, "git_dirty": None}
     commit = _run(["git", "rev-parse", "HEAD"], cwd=root)
     if commit is None:
-        return {"git_commit": os.environ.get(ENV_GIT_COMMIT, ""), "git_dirty": None}
+        return {"git_commit": "", "git_dirty": None}
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
 
