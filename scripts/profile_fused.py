@@ -64,8 +64,15 @@ def main() -> None:
         + ("   layer us (ranks: %d)" % world if world > 1 else ""))
     for tokens in [int(t) for t in args.tokens.split(",")]:
         problem = make_problem(shape, rank, world, tokens, tokens, "cuda", seed=tokens)
-        pairs = int((problem.topk_idx >= 0).sum())
-        experts = torch.unique(problem.topk_idx[problem.topk_idx >= 0]).numel()
+        idx = problem.topk_idx
+        if world > 1:  # every rank's routing: this rank's experts are touched by all of them
+            gathered = [torch.empty_like(idx) for _ in range(world)]
+            dist.all_gather(gathered, idx.contiguous())
+            idx = torch.cat(gathered)
+        per_rank = shape.num_experts // world
+        mine = idx[(idx >= rank * per_rank) & (idx < (rank + 1) * per_rank)]
+        pairs = int(slowest(float(mine.numel())))  # pairs this rank computes (the busiest rank's)
+        experts = int(slowest(float(torch.unique(mine).numel())))
         weight_bytes = experts * 3 * shape.hidden * shape.intermediate
         for cfg in args.configs.split(","):
             fields = [int(v) for v in cfg.split(":")]

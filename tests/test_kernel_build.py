@@ -71,3 +71,27 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
         assert entry.stack_frame_bytes == 0, f"{v.name}: {kernel.report.summary()}"
         assert 0 < entry.registers <= 168, f"{v.name}: {entry.registers} registers"
         assert kernel.cubin_path.stat().st_size > 0
+
+
+def test_the_profiling_build_compiles_and_its_counter_names_match_the_kernels_slots(tmp_path, monkeypatch):
+    import re
+
+    from megamoe_cli.fused import PROFILE_SLOTS
+
+    text = (csrc_dir() / "megamoe" / "common.cuh").read_text()
+    body = text[text.index("enum ProfileSlot"):]
+    body = body[:body.index("};")]
+    slots = {int(number): name for name, number in re.findall(r"(kProf\w+) = (\d+)", body)}
+    assert sorted(slots) == list(range(len(PROFILE_SLOTS)))
+    for number, name in slots.items():
+        # kProfTileWait <-> "tile_wait", kProfEpilogueL1Math <-> "epilogue_l1_math", ...
+        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name[len("kProf"):]).lower()
+        snake = re.sub(r"_l_(\d)", r"_l\1", snake)
+        assert snake == PROFILE_SLOTS[number], (name, PROFILE_SLOTS[number])
+
+    monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
+    v = Variant(PRESETS["small"], 2, 64, 64, 4, 1)
+    source = generate_source(v, profile=True)
+    assert "#define MEGAMOE_PROFILE 1" in source and "MEGAMOE_PROFILE" not in generate_source(v)
+    (built,) = build([KernelSource(name=v.name + "_profile", source=source, include_dirs=(str(csrc_dir()),))])
+    assert b"megamoe_profile" in built.cubin_path.read_bytes()
