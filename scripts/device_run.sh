@@ -70,7 +70,7 @@ case "$MODE" in
     export MEGAMOE_GPU_QUICK=1
     run gpu_wsN 200 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -x -q -p no:cacheprovider
     run timing_turns 150 python3 scripts/profile_fused.py --tokens 64,16384 --configs 64:4,128:4 --iters 10
-    run timing_noturns 150 env MEGAMOE_PINGPONG=0 python3 scripts/profile_fused.py --tokens 64,16384 --configs 64:4,128:4 --iters 10
+    MEGAMOE_PINGPONG=0 run timing_noturns 150 python3 scripts/profile_fused.py --tokens 64,16384 --configs 64:4,128:4 --iters 10
     run bench_dsv3 200 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,fused-graph,torch \
       --flush-l2 --iters 10 --out "$OUT/bench.csv"
     ;;
