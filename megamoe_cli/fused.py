@@ -247,14 +247,6 @@ def profiling_enabled() -> bool:
     return os.environ.get(PROFILE_ENV, "") == "1"
 
 
-PINGPONG_ENV = "MEGAMOE_PINGPONG"
-
-
-def pingpong_enabled() -> bool:
-    """``MEGAMOE_PINGPONG=0`` builds kernels whose consumer warpgroups do not take turns (A/B runs)."""
-    return os.environ.get(PINGPONG_ENV, "1") != "0"
-
-
 class _Kernel:
     """A built, loaded variant."""
 
@@ -262,10 +254,8 @@ class _Kernel:
         from .jit import KernelSource, build, load_module
 
         self.profile = profiling_enabled()
-        self.pingpong = pingpong_enabled()
-        name = variant.name + ("_profile" if self.profile else "") + ("" if self.pingpong else "_nopp")
-        source = KernelSource(name=name, source=generate_source(variant, self.profile, self.pingpong),
-                              include_dirs=(str(csrc_dir()),))
+        name = variant.name + ("_profile" if self.profile else "")
+        source = KernelSource(name=name, source=generate_source(variant, self.profile), include_dirs=(str(csrc_dir()),))
         (built,) = build([source])
         if built.report.has_spills and not self.profile:
             raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
@@ -291,11 +281,11 @@ class _Kernel:
             raise MegaMoEError(f"kernel variant {self.variant.name} was built without counters; set {PROFILE_ENV}=1")
 
 
-_KERNELS: Dict[Tuple[Variant, int, bool, bool], _Kernel] = {}
+_KERNELS: Dict[Tuple[Variant, int, bool], _Kernel] = {}
 
 
 def get_kernel(variant: Variant, device: torch.device) -> _Kernel:
-    key = (variant, device.index, profiling_enabled(), pingpong_enabled())
+    key = (variant, device.index, profiling_enabled())
     if key not in _KERNELS:
         _KERNELS[key] = _Kernel(variant, device)
     return _KERNELS[key]

@@ -179,9 +179,8 @@ def pack_params(
     return bytes(out)
 
 
-def generate_source(variant: Variant, profile: bool = False, pingpong: bool = True) -> str:
-    """The variant's translation unit; ``profile`` adds the cycle counters (``megamoe_profile``);
-    ``pingpong=False`` lets both consumer warpgroups issue WGMMAs at will (for comparisons)."""
+def generate_source(variant: Variant, profile: bool = False) -> str:
+    """The variant's translation unit; ``profile`` adds the cycle counters (``megamoe_profile``)."""
     s = variant.shape
     defines = {
         "MEGAMOE_HIDDEN": s.hidden,
@@ -198,8 +197,6 @@ def generate_source(variant: Variant, profile: bool = False, pingpong: bool = Tr
     head = "\n".join(f"#define {k} {v}u" for k, v in defines.items())
     if profile:
         head += "\n#define MEGAMOE_PROFILE 1"
-    if not pingpong:
-        head += "\n#define MEGAMOE_PINGPONG 0"
     return (
         f"// Generated for variant {variant.name}\n"
         "#include <cstdint>\n#include <cuda.h>\n"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|turns|tiers|final|publish|record|profile|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|tiers|final|publish|record|profile|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 set -uo pipefail
 MODE=${1:-quick}
@@ -65,14 +65,6 @@ case "$MODE" in
       run ep_cycles_prefill 200 torchrun --standalone --nproc-per-node "$NGPU" scripts/profile_fused.py --profile --tokens 8192 --configs 128:4 --iters 3 --warmup 1
     fi
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 1,128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"
-    ;;
-  turns)  # consumer warpgroups taking turns on the tensor cores vs not (MEGAMOE_PINGPONG=0), then EP layer times
-    export MEGAMOE_GPU_QUICK=1
-    run gpu_wsN 200 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu/test_fused.py -x -q -p no:cacheprovider
-    run timing_turns 150 python3 scripts/profile_fused.py --tokens 64,16384 --configs 64:4,128:4 --iters 10
-    MEGAMOE_PINGPONG=0 run timing_noturns 150 python3 scripts/profile_fused.py --tokens 64,16384 --configs 64:4,128:4 --iters 10
-    run bench_dsv3 200 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 128,8192 --backend fused,fused-graph,torch \
-      --flush-l2 --iters 10 --out "$OUT/bench.csv"
     ;;
   tiers)
     run gpu_ws1 280 python3 -m pytest tests/gpu -q -p no:cacheprovider -m "not soak"

@@ -79,14 +79,6 @@ constexpr uint32_t kStageTxBytes = kSmemABytes + kSmemBBytes + kSmemSfaBytes;
 constexpr uint32_t kBarSchedule = 1;   // all threads: schedule in shared memory is ready
 constexpr uint32_t kBarDispatch = 2;   // dispatch warps
 constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
-constexpr uint32_t kBarTurn0 = 4;      // consumer warpgroup 0 lets 1 issue its WGMMAs (see consumer_loop)
-constexpr uint32_t kBarTurn1 = 5;      // consumer warpgroup 1 lets 0 issue
-
-// The two consumer warpgroups take turns on the tensor cores (MEGAMOE_PINGPONG, default on).
-#ifndef MEGAMOE_PINGPONG
-#define MEGAMOE_PINGPONG 1
-#endif
-constexpr bool kPingPong = MEGAMOE_PINGPONG != 0;
 
 // Profiling build counters (cycles unless said; per sampling thread, summed over CTAs)
 enum ProfileSlot : uint32_t {

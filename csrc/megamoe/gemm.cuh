@@ -306,11 +306,6 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 // MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.
 // Per 128-K block and column half: 4 WGMMAs into `part`, wait, then promote into `acc`
 // with the row's A scale and the half's B scale(s).
-// Turns (kPingPong): the warpgroups issue their 4-WGMMA groups strictly alternately, each one
-// only once the other's group is down to its last WGMMA, so one warpgroup promotes while the
-// other's WGMMAs run.  Without turns both issue together, finish together and promote together,
-// leaving the tensor cores idle during every promotion.  Both warpgroups run the same tiles and
-// the same number of groups; warpgroup 0 goes first and takes the last turn signal after the loop.
 __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
                                               uint32_t cluster_rank) {
     const Schedule& s = ss.schedule;
@@ -321,7 +316,6 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
     const float* w2_sf = reinterpret_cast<const float*>(p.w2_sf);
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
-    bool took_turn = false;  // warpgroup 0: a turn signal from warpgroup 1 is due before its next group
     MEGAMOE_PROF(const bool prof = tid % 128 == 0; uint64_t* prof_c = ss.prof[wg];
                  if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[9] = clock64(); })
     while (true) {
@@ -376,29 +370,11 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
                 #pragma unroll
                 for (uint32_t i = 0; i < 64; ++i)
                     ptx::warpgroup_fence_operand(part[i]);
-                if constexpr (kPingPong) {
-                    // (immediate barrier ids: no registers held across the loop for them)
-                    if (wg == 1)
-                        ptx::named_bar_sync(kBarTurn0, kNumConsumerThreads);
-                    else if (took_turn)
-                        ptx::named_bar_sync(kBarTurn1, kNumConsumerThreads);
-                    took_turn = true;
-                }
                 ptx::wgmma_fence();
                 #pragma unroll
-                for (uint32_t k = 0; k < kBlockK / kWgmmaK - 1; ++k)
+                for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
                     ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
                 ptx::wgmma_commit();
-                ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * (kBlockK / kWgmmaK - 1),
-                                           desc_b + 2 * (kBlockK / kWgmmaK - 1), 1);
-                ptx::wgmma_commit();
-                if constexpr (kPingPong) {
-                    ptx::wgmma_wait<1>();
-                    if (wg == 0)
-                        ptx::named_bar_arrive(kBarTurn0, kNumConsumerThreads);
-                    else
-                        ptx::named_bar_arrive(kBarTurn1, kNumConsumerThreads);
-                }
                 ptx::wgmma_wait<0>();
                 #pragma unroll
                 for (uint32_t i = 0; i < 64; ++i)
@@ -433,9 +409,6 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
             MEGAMOE_PROF_ADD(kProfEpilogueL1Release, clock64() - prof_c[7]);
         })
     }
-    // Warpgroup 1's last turn signal (warpgroup 0 waited for all the others before its groups).
-    if (kPingPong && wg == 0 && took_turn)
-        ptx::named_bar_sync(kBarTurn1, kNumConsumerThreads);
     MEGAMOE_PROF(if (prof) {
         for (uint32_t i = 0; i < 7; ++i)
             MEGAMOE_PROF_ADD(i, prof_c[i]);
