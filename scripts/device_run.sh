@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|tiers|final|publish|record|profile|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 set -uo pipefail
 MODE=${1:-quick}
@@ -111,6 +111,15 @@ case "$MODE" in
         --section WarpStateStats --section LaunchStats -k megamoe_kernel --launch-skip 1 --launch-count 1 \
         python3 scripts/profile_fused.py --tokens 16384 --configs "$cfg" --iters 1 --warmup 0
     done
+    ;;
+  stalls)  # ncu warp-stall sampling per SASS instruction of the prefill variant (one GPU), as gzipped CSV
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    run ncu_stalls 300 "$NCU" --clock-control none --section WarpStateStats --section SourceCounters \
+      -k megamoe_kernel --launch-skip 1 --launch-count 1 -o "$OUT/stalls" -f \
+      python3 scripts/profile_fused.py --tokens 16384 --configs ${STALL_CONFIG:-128:4} --iters 1 --warmup 0
+    "$NCU" --import "$OUT/stalls.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/stalls_source.csv.gz"
+    "$NCU" --import "$OUT/stalls.ncu-rep" --page details 2>&1 | tail -60 > "$OUT/stalls_details.txt"
+    rm -f "$OUT/stalls.ncu-rep"
     ;;
   profile)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
