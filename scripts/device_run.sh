@@ -97,6 +97,7 @@ case "$MODE" in
       run gpu_wsN 220 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu -q -p no:cacheprovider
     fi
     unset MEGAMOE_GPU_QUICK
+    [ -n "${PUBLISH_TIMING:-}" ] && run timing 60 python3 scripts/profile_fused.py --tokens 64,16384 --configs 64:4,128:4 --iters 10
     run record 180 python3 -m megamoe_cli bench --sweep sweeps/record.yaml --out "$OUT/record.csv"
     python3 -m megamoe_cli report "$OUT/record.csv" --markdown --plot "$OUT/record.png" > "$OUT/record.md" 2>/dev/null
     ;;
