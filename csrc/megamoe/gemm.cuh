@@ -344,31 +344,20 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
         #pragma unroll
         for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
             acc[i] = 0.0f;
-        // B scales of K block kb (for the even / odd 8-column groups of each half)
-        auto load_sfb = [&](uint32_t kb, float (&even)[kNumHalvesPerWg], float (&odd)[kNumHalvesPerWg]) {
+        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+            const uint32_t stage = it % kNumStages;
+            const uint32_t phase = (it / kNumStages) & 1;
+            float sfb_even[kNumHalvesPerWg], sfb_odd[kNumHalvesPerWg];
             #pragma unroll
             for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
                 const uint32_t nb = tile.n * 2 + slice.half(h);
                 if (tile.is_l2) {
-                    // one scale for both groups; odd is picked at use (a register copy here
-                    // would wait for the load right away)
-                    even[h] = __ldg(sfb_base + nb * kNumL2KBlocks + kb);
-                    odd[h] = 0.0f;
+                    sfb_even[h] = sfb_odd[h] = __ldg(sfb_base + nb * kNumL2KBlocks + kb);
                 } else {
-                    even[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2);
-                    odd[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2 + 1);
+                    sfb_even[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2);
+                    sfb_odd[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2 + 1);
                 }
             }
-        };
-        // The scales are loaded one K block ahead: a global load issued and used in the same
-        // K block put its latency on every block's critical path.
-        float sfb_even[kNumHalvesPerWg], sfb_odd[kNumHalvesPerWg];
-        load_sfb(0, sfb_even, sfb_odd);
-        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-            const uint32_t stage = it % kNumStages;
-            const uint32_t phase = (it / kNumStages) & 1;
-            float next_even[kNumHalvesPerWg], next_odd[kNumHalvesPerWg];
-            load_sfb(min(kb + 1, num_k - 1), next_even, next_odd);
             MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
             mbar_wait(p, &ss.full[stage], phase);
             MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
@@ -394,9 +383,8 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
                     release_stage(ss, stage);
 
                 // Promote: acc += part * sfa(row) * sfb(column group)
-                const float sfb_o = tile.is_l2 ? sfb_even[h] : sfb_odd[h];
-                const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_o;
-                const float s10 = sfa1 * sfb_even[h], s11 = sfa1 * sfb_o;
+                const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_odd[h];
+                const float s10 = sfa1 * sfb_even[h], s11 = sfa1 * sfb_odd[h];
                 #pragma unroll
                 for (uint32_t i = 0; i < 64; ++i) {
                     const bool odd_group = ((i / 4) % 2) == 1;
@@ -404,11 +392,6 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
                     const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
                     acc[64 * h + i] = fmaf(part[i], scale, acc[64 * h + i]);
                 }
-            }
-            #pragma unroll
-            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
-                sfb_even[h] = next_even[h];
-                sfb_odd[h] = next_odd[h];
             }
         }
         MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof) prof_c[kProfMainloop] += prof_t2 - prof_c[8];)
