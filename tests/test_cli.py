@@ -395,3 +395,27 @@ def test_bench_run_that_stops_early_exits_2_after_showing_what_it_measured(monke
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: run stopped at point 1 of 2")
     assert "torch" in result.stderr and "10.0" in result.stderr
+
+
+def test_bench_tuned_config_flag_reaches_the_ranks_and_a_broken_one_is_named(fake_cpu_run, tmp_path, monkeypatch):
+    from megamoe_cli import tuned
+    from megamoe_cli.bench import launcher
+
+    monkeypatch.delenv(tuned.ENV_VAR, raising=False)
+    store = tmp_path / "mine.json"
+    key = tuned.make_key("H200", 2, PRESETS["small"], 128)
+    tuned.merge_and_save([tuned.make_entry(key, {"block_m": 64, "num_stages": 3, "num_sms": 0, "cluster_m": 1},
+                                           100.0, 110.0, date="2026-11-30T00:00:00+00:00", commit="test")], store)
+    result = run("bench", "--tokens", "16", "--tuned-config", str(store), "--out", str(tmp_path / "r.csv"))
+    assert result.exit_code == 0, result.output
+    assert launcher.run_environment()[tuned.ENV_VAR] == str(store.resolve())
+    assert tuned.lookup(key) is not None  # the runtime's default store is now this file
+
+    monkeypatch.delenv(tuned.ENV_VAR)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = run("bench", "--tokens", "16", "--tuned-config", str(broken), "--out", str(tmp_path / "r.csv"))
+    assert result.exit_code == 2 and "broken.json is not valid JSON" in result.stderr
+    result = run("bench", "--tokens", "16", "--tuned-config", str(tmp_path / "none.json"))
+    assert result.exit_code == 2 and "none.json" in result.stderr
+    assert len(fake_cpu_run.calls) == 1  # neither bad store started a run

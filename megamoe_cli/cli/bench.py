@@ -7,6 +7,7 @@ summary view from ``bench.results``.  This module picks per-device defaults and 
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -56,8 +57,12 @@ def _backend_names():
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=DEFAULT_OUT, show_default=True,
               help="Results file rows are appended to (.csv, .jsonl or .parquet).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as a JSON array on stdout.")
+@click.option("--tuned-config", "tuned_config", type=click.Path(dir_okay=False),
+              help="Tuned config file the fused backend reads (default: $MEGAMOE_TUNED_CONFIG or "
+                   "~/.cache/megamoe/tuned.json), e.g. one written by `megamoe tune --config-file`.")
 def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_tokens, backends, block_m,
-          warmup, iters, seed, check, flush_l2, point_timeout, nproc, device, run_timeout, out_path, as_json):
+          warmup, iters, seed, check, flush_l2, point_timeout, nproc, device, run_timeout, out_path, as_json,
+          tuned_config):
     """Benchmark the MoE layer: fused kernel vs the unfused PyTorch pipeline, launched with torchrun.
 
     Every point is timed after a cross-rank barrier (median over --iters, the slowest rank is the
@@ -89,6 +94,14 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
         flags = ", ".join(spelled[name] for name in given)
         raise click.UsageError(f"--sweep replaces the point flags; drop {flags} or the sweep file")
 
+    if tuned_config is not None:
+        from .. import tuned
+
+        path = Path(tuned_config).expanduser()
+        if not path.is_file():
+            raise click.BadParameter(f"no such file: {path}", param_hint="--tuned-config")
+        tuned.load(path)  # a broken store is named here, before any rank starts
+        os.environ[tuned.ENV_VAR] = str(path.resolve())  # the ranks inherit it
     out = Path(out_path)
     file_format(out)
     out.parent.mkdir(parents=True, exist_ok=True)

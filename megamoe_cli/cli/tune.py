@@ -72,7 +72,7 @@ class SmsList(click.ParamType):
 @click.option("--timeout", "run_timeout", type=float, help="Seconds the whole measuring run may take.")
 @click.option("--config-file", "path", type=click.Path(dir_okay=False),
               help="Tuned config file to merge into (default: $MEGAMOE_TUNED_CONFIG or ~/.cache/megamoe/tuned.json; "
-                   "the runtime reads only the default).")
+                   "the runtime reads the default, `megamoe bench --tuned-config FILE` this one).")
 @click.option("--dry-run", is_flag=True, help="List the candidates and why any are excluded; build and run nothing.")
 @click.option("--gpu", help="With --dry-run: the GPU model to plan for (default: the visible GPU).")
 @click.option("--json", "as_json", is_flag=True,
