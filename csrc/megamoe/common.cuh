@@ -11,16 +11,14 @@
 #include "ptx.cuh"
 
 // Cycle counters for profiling builds (MEGAMOE_PROFILE): summed over CTAs, read by the host
-// through the module global; see megamoe_cli/fused.py:read_profile for the slot meanings.
+// through the module global; slots: ProfileSlot below (names: PROFILE_SLOTS in megamoe_cli/fused.py).
 #ifdef MEGAMOE_PROFILE
 extern "C" {
 __device__ unsigned long long megamoe_profile[32];
 }
 #define MEGAMOE_PROF(...) __VA_ARGS__
 #define MEGAMOE_PROF_ADD(slot, value) atomicAdd(&megamoe_profile[slot], static_cast<unsigned long long>(value))
-#define MEGAMOE_PROF_CLOCK() clock64()
 #else
-#define MEGAMOE_PROF_CLOCK() uint64_t(0)
 #define MEGAMOE_PROF(...)
 #define MEGAMOE_PROF_ADD(slot, value) ((void)0)
 #endif
