@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 set -uo pipefail
 MODE=${1:-quick}
@@ -34,6 +34,12 @@ case "$MODE" in
     if [ "$NGPU" -gt 1 ]; then
       run gpu_wsN 400 torchrun --standalone --nproc-per-node "$NGPU" -m pytest tests/gpu -x -q -s -p no:cacheprovider
     fi
+    ;;
+  mainloop)  # the main-loop microbenchmark (csrc/microbench/mainloop.cu): loop shapes alone, one GPU
+    NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+    run mainloop_build 300 "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/mainloop csrc/microbench/mainloop.cu
+    run mainloop 300 /tmp/mainloop "$@"
+    run mainloop_noload 300 /tmp/mainloop --no-load "$@"
     ;;
   bench)
     run bench 500 python3 -m megamoe_cli bench --out "$OUT/bench.csv" "$@"

@@ -1,0 +1,435 @@
+// Main-loop microbenchmark: the FP8 WGMMA K loop of one 128 x N tile per CTA with per-128-K
+// promotion, alone (no dispatch, no epilogue), in several shapes, to find what bounds the
+// fused kernel's main loop.  One CTA per SM: warp 0 streams stages with 1-D bulk copies from
+// an L2-resident buffer (or, with --no-load, only signals them), warpgroups 1 and 2 consume.
+//
+// Modes (per 128-K block, per consumer warpgroup owning 64 rows):
+//   halves      the fused kernel's loop: 2 x (4 SS m64n128k32 into a 64-register partial,
+//               wait, 64 FFMA promotion)                                     tile 128 x 256
+//   nopromo128  8 SS m64n128k32 straight into the accumulators, no wait      tile 128 x 256
+//   nopromo256  4 SS m64n256k32 straight into the accumulators, no wait      tile 128 x 256
+//   quarters    4 x (4 SS m64n64k32) into two alternating 32-register partials; each
+//               quarter is promoted while the next one runs (wait<1>)       tile 128 x 256
+//   rs_halves   halves with A fragments loaded by ldmatrix (RS WGMMA)        tile 128 x 256
+//   rs_quarters quarters with A from registers                               tile 128 x 256
+//   n128_db     tile 128 x 128: 4 SS m64n128k32 into two alternating partials, each K block's
+//               partial promoted while the next block runs                   tile 128 x 128
+// Numbers only: operands are arbitrary bytes, the result is summed into a sink.
+//
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o mainloop mainloop.cu
+// Run:   ./mainloop [--no-load] [--kblocks N] [mode ...]
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "wgmma_ops.cuh"
+
+#define CHECK(x)                                                                                    \
+    do {                                                                                            \
+        cudaError_t e_ = (x);                                                                       \
+        if (e_ != cudaSuccess) {                                                                    \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
+            exit(1);                                                                                \
+        }                                                                                           \
+    } while (0)
+
+enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kNumModes };
+static const char* kModeNames[kNumModes] = {"halves", "nopromo128", "nopromo256", "quarters",
+                                            "rs_halves", "rs_quarters", "n128_db"};
+
+constexpr uint32_t kStages = 4;
+constexpr uint32_t kABytes = 128 * 128;
+constexpr uint32_t kBBytesMax = 256 * 128;
+
+struct Smem {
+    uint8_t a[kStages][kABytes];
+    uint8_t b[kStages][kBBytesMax];
+    float sfa[kStages][128];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+};
+
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}\n" ::"r"(saddr(b)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(saddr(bar))
+                 : "memory");
+}
+__device__ __forceinline__ uint64_t desc_sw128(const void* p) {
+    const uint64_t addr = saddr(p);
+    return ((addr & 0x3FFFFull) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void fence_regs_u(uint32_t (&r)[4]) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// A fragments (RS) of k step ks for this warp's 16 rows, from the 128B-swizzled A tile.
+__device__ __forceinline__ void load_a_frag(const uint8_t* a_tile, uint32_t warp_row0, uint32_t ks, uint32_t lane,
+                                            uint32_t (&a)[4]) {
+    const uint32_t i = lane / 8, j = lane % 8;
+    const uint32_t row = warp_row0 + (i % 2) * 8 + j;
+    const uint32_t chunk = 2 * ks + i / 2;
+    const uint32_t addr = saddr(a_tile) + row * 128 + ((chunk ^ (row % 8)) * 16);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+}
+
+template <int N>
+__device__ __forceinline__ void promote(float* acc, float (&part)[N], float s0, float s1) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i)
+        acc[i] = fmaf(part[i], ((i / 2) % 2) ? s1 : s0, acc[i]);
+}
+
+template <int kMode>
+__global__ void __launch_bounds__(384, 1)
+    mainloop_kernel(const uint8_t* __restrict__ src, uint32_t src_stages, const float* __restrict__ sfb,
+                    uint32_t num_kb, bool load, float* sink, unsigned long long* cycles) {
+    extern __shared__ uint8_t raw[];
+    Smem& ss = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    constexpr uint32_t kBBytes = kMode == kN128Db ? 128 * 128 : 256 * 128;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (uint32_t s = 0; s < kStages; ++s) {
+            mbar_init(&ss.full[s], 1);
+            mbar_init(&ss.empty[s], 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    for (uint32_t i = threadIdx.x; i < kStages * 128; i += blockDim.x)
+        (&ss.sfa[0][0])[i] = 1.0f + 1e-3f * (i % 7);
+    for (uint32_t i = threadIdx.x; i < kStages * (kABytes + kBBytesMax) / 4; i += blockDim.x)
+        reinterpret_cast<uint32_t*>(&ss.a[0][0])[i] = 0x38383838u ^ (i * 2654435761u & 0x03030303u);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+
+    if (warp < 4) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+        if (warp == 0 && lane == 0) {
+            for (uint32_t kb = 0; kb < num_kb; ++kb) {
+                const uint32_t s = kb % kStages;
+                mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);
+                if (load) {
+                    const uint8_t* from = src + static_cast<uint64_t>((blockIdx.x * 7 + kb) % src_stages) * (kABytes + kBBytesMax);
+                    mbar_expect(&ss.full[s], kABytes + kBBytes + 512);
+                    bulk_load(ss.a[s], from, kABytes, &ss.full[s]);
+                    bulk_load(ss.b[s], from + kABytes, kBBytes, &ss.full[s]);
+                    bulk_load(ss.sfa[s], reinterpret_cast<const float*>(from), 512, &ss.full[s]);
+                } else {
+                    mbar_arrive(&ss.full[s]);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+    const uint32_t wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0);
+    const uint32_t wt = threadIdx.x % 128, wwarp = wt / 32;
+    const uint32_t r0 = 64 * wg + wwarp * 16 + lane / 4;
+    constexpr uint32_t kAccRegs = kMode == kN128Db ? 64 : 128;
+    float acc[kAccRegs];
+    #pragma unroll
+    for (uint32_t i = 0; i < kAccRegs; ++i)
+        acc[i] = 0.0f;
+    const unsigned long long t0 = clock64();
+
+    if constexpr (kMode == kHalves || kMode == kRsHalves) {
+        float part[64];
+        for (uint32_t kb = 0; kb < num_kb; ++kb) {
+            const uint32_t s = kb % kStages;
+            const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
+            mbar_wait(&ss.full[s], (kb / kStages) & 1);
+            const float sa0 = ss.sfa[s][r0] , sa1 = ss.sfa[s][r0 + 8];
+            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+            uint32_t afr[4][4];
+            if constexpr (kMode == kRsHalves) {
+                #pragma unroll
+                for (uint32_t k = 0; k < 4; ++k)
+                    load_a_frag(ss.a[s], 64 * wg + wwarp * 16, k, lane, afr[k]);
+            }
+            #pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                const uint64_t db = desc_sw128(ss.b[s] + h * 128 * 128);
+                fence_regs(part);
+                wg_fence();
+                #pragma unroll
+                for (uint32_t k = 0; k < 4; ++k) {
+                    if constexpr (kMode == kRsHalves)
+                        wgmma_rs_m64n128k32(part, afr[k], db + 2 * k, k > 0);
+                    else
+                        wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
+                }
+                wg_commit();
+                wg_wait<0>();
+                fence_regs(part);
+                if (h == 1 && lane == 0)
+                    mbar_arrive(&ss.empty[s]);
+                promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
+            }
+        }
+    } else if constexpr (kMode == kNoPromo128 || kMode == kNoPromo256) {
+        // Accumulators straight in the WGMMA registers; stage kb is released once block kb+1's
+        // WGMMAs are issued and kb's have retired (wait<1>).
+        for (uint32_t kb = 0; kb < num_kb; ++kb) {
+            const uint32_t s = kb % kStages;
+            mbar_wait(&ss.full[s], (kb / kStages) & 1);
+            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+            fence_regs(acc);
+            wg_fence();
+            if constexpr (kMode == kNoPromo256) {
+                const uint64_t db = desc_sw128(ss.b[s]);
+                #pragma unroll
+                for (uint32_t k = 0; k < 4; ++k)
+                    wgmma_ss_m64n256k32(acc, da + 2 * k, db + 2 * k, 1);
+            } else {
+                #pragma unroll
+                for (uint32_t h = 0; h < 2; ++h) {
+                    const uint64_t db = desc_sw128(ss.b[s] + h * 128 * 128);
+                    #pragma unroll
+                    for (uint32_t k = 0; k < 4; ++k)
+                        wgmma_ss_m64n128k32(*reinterpret_cast<float(*)[64]>(acc + 64 * h), da + 2 * k, db + 2 * k, 1);
+                }
+            }
+            wg_commit();
+            wg_wait<1>();
+            fence_regs(acc);
+            if (kb > 0 && lane == 0)
+                mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+        }
+        wg_wait<0>();
+        fence_regs(acc);
+    } else if constexpr (kMode == kQuarters || kMode == kRsQuarters) {
+        // Quarter q of block kb goes into partial q % 2; after issuing quarter q > 0, wait<1>
+        // retires quarter q-1, which is promoted while q runs.  The last quarter is retired at
+        // the start of the next block (no WGMMA in flight across the loop's back edge: ptxas
+        // would serialize them).
+        float p0[32], p1[32];
+        float ps0 = 0.0f, ps1 = 0.0f;  // scales of the pending partial
+        uint32_t afr[4][4];
+        for (uint32_t kb = 0; kb < num_kb; ++kb) {
+            const uint32_t s = kb % kStages;
+            const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
+            mbar_wait(&ss.full[s], (kb / kStages) & 1);
+            const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
+            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+            wg_wait<0>();
+            fence_regs(p1);
+            if (kb > 0) {
+                promote(acc + 96, p1, ps0, ps1);
+                if (lane == 0)
+                    mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+            }
+            if constexpr (kMode == kRsQuarters) {
+                #pragma unroll
+                for (uint32_t k = 0; k < 4; ++k)
+                    load_a_frag(ss.a[s], 64 * wg + wwarp * 16, k, lane, afr[k]);
+            }
+            #pragma unroll
+            for (uint32_t q = 0; q < 4; ++q) {
+                const uint64_t db = desc_sw128(ss.b[s] + q * 64 * 128);
+                float(&cur)[32] = (q % 2) ? p1 : p0;
+                float(&prev)[32] = (q % 2) ? p0 : p1;
+                fence_regs(cur);
+                wg_fence();
+                #pragma unroll
+                for (uint32_t k = 0; k < 4; ++k) {
+                    if constexpr (kMode == kRsQuarters)
+                        wgmma_rs_m64n64k32(cur, afr[k], db + 2 * k, k > 0);
+                    else
+                        wgmma_ss_m64n64k32(cur, da + 2 * k, db + 2 * k, k > 0);
+                }
+                wg_commit();
+                if (q == 0)
+                    continue;
+                wg_wait<1>();
+                fence_regs(prev);
+                promote(acc + 32 * (q - 1), prev, sa0 * (q - 1 < 2 ? sb0 : sb1), sa1 * (q - 1 < 2 ? sb0 : sb1));
+            }
+            ps0 = sa0 * sb1;
+            ps1 = sa1 * sb1;
+        }
+        wg_wait<0>();
+        fence_regs(p1);
+        promote(acc + 96, p1, ps0, ps1);
+    } else if constexpr (kMode == kN128Db) {
+        float p0[64], p1[64];
+        float ps0 = 0.0f, ps1 = 0.0f;
+        for (uint32_t kb = 0; kb < num_kb; kb += 2) {
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u) {
+                const uint32_t kk = kb + u;
+                const uint32_t s = kk % kStages;
+                const float sb0 = __ldg(sfb + (kk % 64) * 2);
+                mbar_wait(&ss.full[s], (kk / kStages) & 1);
+                const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
+                const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+                const uint64_t db = desc_sw128(ss.b[s]);
+                float(&cur)[64] = u ? p1 : p0;
+                float(&prev)[64] = u ? p0 : p1;
+                fence_regs(cur);
+                wg_fence();
+                #pragma unroll
+                for (uint32_t k = 0; k < 4; ++k)
+                    wgmma_ss_m64n128k32(cur, da + 2 * k, db + 2 * k, k > 0);
+                wg_commit();
+                wg_wait<1>();
+                fence_regs(prev);
+                if (u == 1) {
+                    promote(acc, prev, ps0, ps1);
+                    if (lane == 0)
+                        mbar_arrive(&ss.empty[(kk - 1) % kStages]);
+                }
+                ps0 = sa0 * sb0;
+                ps1 = sa1 * sb0;
+            }
+            // Nothing in flight across the back edge (ptxas would serialize the WGMMAs).
+            wg_wait<0>();
+            fence_regs(p1);
+            promote(acc, p1, ps0, ps1);
+            if (lane == 0)
+                mbar_arrive(&ss.empty[(kb + 1) % kStages]);
+        }
+    }
+    const unsigned long long t1 = clock64();
+    float sum = 0.0f;
+    #pragma unroll
+    for (uint32_t i = 0; i < kAccRegs; ++i)
+        sum += acc[i];
+    atomicAdd(sink, sum);
+    if (wt == 0)
+        atomicAdd(cycles, t1 - t0);
+}
+
+template <int kMode>
+static void run_mode(int sms, uint32_t num_kb, bool load, const uint8_t* src, uint32_t src_stages, const float* sfb,
+                     float* sink, unsigned long long* cycles) {
+    auto kernel = mainloop_kernel<kMode>;
+    const size_t smem = sizeof(Smem) + 1024;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    const uint32_t n = kMode == kN128Db ? 128 : 256;
+    const double flops = 2.0 * 128 * n * 128 * static_cast<double>(num_kb) * sms;
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    std::vector<float> ms;
+    double cyc_per_kb = 0;
+    for (int rep = 0; rep < 6; ++rep) {
+        CHECK(cudaMemset(cycles, 0, sizeof(unsigned long long)));
+        CHECK(cudaEventRecord(e0));
+        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, sink, cycles);
+        CHECK(cudaGetLastError());
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float t;
+        CHECK(cudaEventElapsedTime(&t, e0, e1));
+        unsigned long long c;
+        CHECK(cudaMemcpy(&c, cycles, sizeof(c), cudaMemcpyDeviceToHost));
+        if (rep > 0) {
+            ms.push_back(t);
+            cyc_per_kb += static_cast<double>(c) / (2.0 * sms) / num_kb;
+        }
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    cyc_per_kb /= ms.size();
+    const double ideal = 128.0 * n * 128 / 4096.0;
+    printf("%-12s load=%d tile=128x%u  %8.3f ms  %7.1f TFLOPS  %7.1f cycles/kblock (ideal %.0f: %.0f%%)  clock %.2f GHz\n",
+           kModeNames[kMode], load ? 1 : 0, n, med, flops / med / 1e9, cyc_per_kb, ideal, 100.0 * ideal / cyc_per_kb,
+           cyc_per_kb * num_kb / (med * 1e-3) / 1e9);
+    fflush(stdout);
+}
+
+
+int main(int argc, char** argv) {
+    bool load = true;
+    uint32_t num_kb = 2048;
+    std::vector<int> modes;
+    for (int i = 1; i < argc; ++i) {
+        if (!strcmp(argv[i], "--no-load")) {
+            load = false;
+        } else if (!strcmp(argv[i], "--kblocks") && i + 1 < argc) {
+            num_kb = static_cast<uint32_t>(atoi(argv[++i]));
+        } else {
+            int found = -1;
+            for (int m = 0; m < kNumModes; ++m)
+                if (!strcmp(argv[i], kModeNames[m]))
+                    found = m;
+            if (found < 0) {
+                fprintf(stderr, "unknown argument '%s' (modes:", argv[i]);
+                for (int m = 0; m < kNumModes; ++m)
+                    fprintf(stderr, " %s", kModeNames[m]);
+                fprintf(stderr, ")\n");
+                return 2;
+            }
+            modes.push_back(found);
+        }
+    }
+    if (modes.empty())
+        for (int m = 0; m < kNumModes; ++m)
+            modes.push_back(m);
+    int sms = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const uint32_t src_stages = 64;  // 3 MiB: stays in L2
+    uint8_t* src;
+    float *sfb, *sink;
+    unsigned long long* cycles;
+    CHECK(cudaMalloc(&src, static_cast<size_t>(src_stages) * (kABytes + kBBytesMax)));
+    CHECK(cudaMemset(src, 0x38, static_cast<size_t>(src_stages) * (kABytes + kBBytesMax)));
+    CHECK(cudaMalloc(&sfb, 128 * sizeof(float)));
+    std::vector<float> h(128, 1.0f);
+    CHECK(cudaMemcpy(sfb, h.data(), 128 * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&sink, sizeof(float)));
+    CHECK(cudaMalloc(&cycles, sizeof(unsigned long long)));
+    printf("SMs %d, %u K blocks per CTA, %u stages\n", sms, num_kb, kStages);
+    for (int m : modes) {
+        switch (m) {
+            case kHalves: run_mode<kHalves>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+            case kNoPromo128: run_mode<kNoPromo128>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+            case kNoPromo256: run_mode<kNoPromo256>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+            case kQuarters: run_mode<kQuarters>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+            case kRsHalves: run_mode<kRsHalves>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+            case kRsQuarters: run_mode<kRsQuarters>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+            case kN128Db: run_mode<kN128Db>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+        }
+    }
+    CHECK(cudaDeviceSynchronize());
+    return 0;
+}
