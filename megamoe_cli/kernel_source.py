@@ -8,6 +8,7 @@ compile every variant for sm_90a.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -179,6 +180,23 @@ def pack_params(
     return bytes(out)
 
 
+ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
+# Diagnostic builds (wrong results on purpose, timing only): see csrc/megamoe/gemm.cuh.
+EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B")
+
+
+def experiment_defines() -> Tuple[str, ...]:
+    """Macros of the diagnostic builds named in MEGAMOE_EXPERIMENT (comma-separated)."""
+    raw = os.environ.get(ENV_EXPERIMENT, "").strip()
+    if not raw:
+        return ()
+    names = tuple(n.strip().upper() for n in raw.split(",") if n.strip())
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise MegaMoEError(f"{ENV_EXPERIMENT}: unknown experiment(s) {unknown}; expected some of {list(EXPERIMENTS)}")
+    return tuple(f"MEGAMOE_EXP_{n}" for n in names)
+
+
 def generate_source(variant: Variant, profile: bool = False) -> str:
     """The variant's translation unit; ``profile`` adds the cycle counters (``megamoe_profile``)."""
     s = variant.shape
@@ -197,6 +215,8 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
     head = "\n".join(f"#define {k} {v}u" for k, v in defines.items())
     if profile:
         head += "\n#define MEGAMOE_PROFILE 1"
+    for macro in experiment_defines():
+        head += f"\n#define {macro} 1"
     return (
         f"// Generated for variant {variant.name}\n"
         "#include <cstdint>\n#include <cuda.h>\n"
@@ -209,7 +229,7 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
 def smem_bytes(variant: Variant) -> int:
     """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
     e_local = variant.shape.num_experts // variant.num_ranks
-    stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4)
+    stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
     barriers = 16 * variant.num_stages
     schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|ab|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 set -uo pipefail
 MODE=${1:-quick}
@@ -40,6 +40,18 @@ case "$MODE" in
     run mainloop_build 300 "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/mainloop csrc/microbench/mainloop.cu
     run mainloop 300 /tmp/mainloop "$@"
     run mainloop_noload 300 /tmp/mainloop --no-load "$@"
+    ;;
+  ab)  # A/B of a kernel change on one GPU: AB_PATCH (a diff from the base tree to this one) is
+       # reverse-applied to a copy; both trees are timed alternately, after this tree's quick tier
+    export MEGAMOE_GPU_QUICK=1
+    BASE=/tmp/ab_base; rm -rf "$BASE"; mkdir -p "$BASE"
+    tar --exclude=./.git -cf - . | tar -xf - -C "$BASE"
+    (cd "$BASE" && patch -s -R -p1 < "$PWD/${AB_PATCH:?set AB_PATCH}") || { echo "patch -R failed"; exit 1; }
+    [ -z "${AB_SKIP_TESTS:-}" ] && run gpu_ws1 300 python3 -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
+    for r in 1 2; do
+      run timing_base$r 300 env PYTHONPATH="$BASE" MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-base python3 "$BASE/scripts/profile_fused.py" --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4}
+      run timing_new$r 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4}
+    done
     ;;
   bench)
     run bench 500 python3 -m megamoe_cli bench --out "$OUT/bench.csv" "$@"

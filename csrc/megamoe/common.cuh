@@ -181,6 +181,21 @@ struct Deadline {
     }
 };
 
+// The same wait without the call to fail(): false once p.timeout_ns has passed, and the
+// caller reports it outside its loop.  Hot loops use it because a call inside the loop
+// keeps the loop's values (WGMMA descriptors, stage counters) out of uniform registers.
+__device__ __forceinline__ bool mbar_wait_or_timeout(const Params& p, uint64_t* bar, uint32_t parity) {
+    if (ptx::mbar_try_wait(bar, parity))
+        return true;
+    const uint64_t start = ptx::globaltimer_ns();
+    uint32_t iter = 0;
+    while (!ptx::mbar_try_wait(bar, parity)) {
+        if ((++iter & 255u) == 0 && ptx::globaltimer_ns() - start > p.timeout_ns)
+            return false;
+    }
+    return true;
+}
+
 __device__ __forceinline__ void mbar_wait(const Params& p, uint64_t* bar, uint32_t parity) {
     if (ptx::mbar_try_wait(bar, parity))
         return;

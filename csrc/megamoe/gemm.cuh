@@ -47,7 +47,9 @@ __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint3
     const uint32_t local = t - first * num_n;
     tile.n = local / num_units;
     const uint32_t block_in_expert = (local % num_units) * kClusterM + cluster_rank;
-    tile.valid = block_in_expert < s.block_start[tile.expert + 1] - s.block_start[tile.expert];
+    // Without clusters every unit is one existing block (known at compile time, which keeps
+    // the consumer's loop counters warp-uniform for the compiler).
+    tile.valid = kClusterM == 1 || block_in_expert < s.block_start[tile.expert + 1] - s.block_start[tile.expert];
     tile.block = s.block_start[tile.expert] + block_in_expert;
     return tile;
 }
@@ -137,10 +139,18 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             ss.stage_tile[stage] = t;
             ptx::mbar_arrive_expect_tx(&ss.full[stage], tile.valid ? kStageTxBytes : kSmemBBytes);
             if (tile.valid) {
+#ifdef MEGAMOE_EXP_SAME_A  // diagnostic: A from two L2-hot blocks (wrong results)
+                ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], (kb % 2) * kBlockK, 0);
+#else
                 ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
+#endif
                 ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
             }
+#ifdef MEGAMOE_EXP_SAME_B  // diagnostic: B from two L2-hot stages (wrong results)
+            const int32_t b_row = static_cast<int32_t>((kb % 2) * kBlockN + cluster_rank * kBPartRows);
+#else
             const int32_t b_row = static_cast<int32_t>((b_first + kb) * kBlockN + cluster_rank * kBPartRows);
+#endif
             if constexpr (kClusterM == 1) {
                 ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], 0, b_row);
             } else {
@@ -305,8 +315,10 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 
 // MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.
 // Per 128-K block and column half: 4 WGMMAs into `part`, wait, then promote into `acc`
-// with the row's A scale and the half's B scale(s).
-__device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
+// with the row's A scale and the half's B scale(s).  Returns kConsumerOk, or the parity of
+// a stage wait that timed out (the caller reports it: no call inside this loop).
+constexpr uint32_t kConsumerOk = 0xffffffffu;
+__device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
                                               uint32_t cluster_rank) {
     const Schedule& s = ss.schedule;
     const WgSlice slice{wg};
@@ -321,9 +333,12 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
     while (true) {
         // The first stage of a tile says which tile it is (or that none is left).
         MEGAMOE_PROF(if (prof) prof_c[8] = clock64();)
-        mbar_wait(p, &ss.full[it % kNumStages], (it / kNumStages) & 1);
+        if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
+            return (it / kNumStages) & 1;
         MEGAMOE_PROF(if (prof) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
-        const uint32_t t = ss.stage_tile[it % kNumStages];
+        // Shuffled so the compiler sees a warp-uniform tile id: the K loop's counters and the
+        // WGMMA descriptors then live in uniform registers.
+        const uint32_t t = __shfl_sync(0xffffffffu, ss.stage_tile[it % kNumStages], 0);
         if (t == kNoMoreTiles)
             break;
         const Tile tile = decode_tile(s, t, cluster_rank);
@@ -331,7 +346,8 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
         if (!tile.valid) {
             // Only this CTA's B part was needed (by the other CTAs of the cluster)
             for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-                mbar_wait(p, &ss.full[it % kNumStages], (it / kNumStages) & 1);
+                if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
+                    return (it / kNumStages) & 1;
                 if (lane == 0)
                     release_stage(ss, it % kNumStages);
             }
@@ -359,11 +375,36 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
                 }
             }
             MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
-            mbar_wait(p, &ss.full[stage], phase);
+            if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
+                return phase;
             MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
-            const float sfa0 = ss.sfa[stage][r0];
-            const float sfa1 = ss.sfa[stage][r0 + 8];
+            const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
+            const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
             const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
+#ifdef MEGAMOE_EXP_NOPROMO  // diagnostic: no promotion, WGMMAs accumulate straight into acc (wrong results)
+            #pragma unroll
+            for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
+                ptx::warpgroup_fence_operand(acc[i]);
+            ptx::wgmma_fence();
+            #pragma unroll
+            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+                const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
+                #pragma unroll
+                for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                    ptx::wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc + 64 * h), desc_a + 2 * k,
+                                               desc_b + 2 * k, 1);
+            }
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            #pragma unroll
+            for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
+                ptx::warpgroup_fence_operand(acc[i]);
+            if (lane == 0)
+                release_stage(ss, stage);
+            (void)sfa0; (void)sfa1; (void)sfb_even; (void)sfb_odd;
+            if (true)
+                continue;
+#endif
             #pragma unroll
             for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
                 const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
@@ -414,6 +455,7 @@ __device__ __forceinline__ void consumer_loop(const Params& p, SharedStorage& ss
             MEGAMOE_PROF_ADD(i, prof_c[i]);
         MEGAMOE_PROF_ADD(kProfConsumerLoop, clock64() - prof_c[9]);
     })
+    return kConsumerOk;
 }
 
 }  // namespace megamoe

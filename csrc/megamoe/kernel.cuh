@@ -61,7 +61,9 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     MEGAMOE_PROF(const bool prof = tid % 128 == 0;
                  if (prof) { MEGAMOE_PROF_ADD(kProfConsumerStart, clock64() - ss.prof[2][3]);
                              MEGAMOE_PROF_ADD(kProfSamplers, 1); })
-    consumer_loop(p, ss, wg, tid, kClusterM == 1 ? 0 : ptx::cluster_ctarank());
+    const uint32_t stuck = consumer_loop(p, ss, wg, tid, kClusterM == 1 ? 0 : ptx::cluster_ctarank());
+    if (stuck != kConsumerOk)
+        fail(p, kPhasePipeline, stuck, stuck ^ 1, 0);
     MEGAMOE_PROF(if (prof) ss.prof[wg][8] = clock64();)
 
     // Every local L2 push is done; wait for every rank's pushes into our combine buffer.
@@ -143,6 +145,8 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
     } else {
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         ptx::named_bar_sync(kBarSchedule, kNumThreads);
-        consumer_role(p, ss, warp / 4 - 1, threadIdx.x - 128);
+        // The shuffle tells the compiler the warpgroup index is warp-uniform, so the WGMMA
+        // descriptors are computed in uniform registers (no per-WGMMA R2UR moves).
+        consumer_role(p, ss, __shfl_sync(0xffffffffu, warp / 4 - 1, 0), threadIdx.x - 128);
     }
 }

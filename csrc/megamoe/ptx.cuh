@@ -42,6 +42,25 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
     return ok != 0;
 }
 
+__device__ __forceinline__ float ld_shared_f32(const float* ptr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(ptr)) : "memory");
+    return v;
+}
+
+// Small asynchronous global -> shared copies (4, 8 or 16 bytes, naturally aligned) whose
+// completion an mbarrier tracks: the arrive raises the barrier's pending count until every
+// earlier cp.async of this thread has landed.
+template <uint32_t kBytes>
+__device__ __forceinline__ void cp_async_ca(void* smem_dst, const void* gmem_src) {
+    static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src), "n"(kBytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Fences between the generic proxy and the async proxy (TMA / WGMMA)
 __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

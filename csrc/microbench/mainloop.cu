@@ -17,7 +17,10 @@
 // Numbers only: operands are arbitrary bytes, the result is summed into a sink.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o mainloop mainloop.cu
-// Run:   ./mainloop [--no-load] [--kblocks N] [mode ...]
+// Run:   ./mainloop [--no-load] [--random] [--src-mib N] [--b-stream G] [--kblocks N] [mode ...]
+// (--b-stream G: B streamed from DRAM, each group of G CTAs reading one sequence once)
+// (--random: random finite FP8 operands instead of a constant; --src-mib: size of the buffer
+// the stages are streamed from, 3 MiB = L2-resident by default)
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -122,7 +125,8 @@ __device__ __forceinline__ void promote(float* acc, float (&part)[N], float s0, 
 template <int kMode>
 __global__ void __launch_bounds__(384, 1)
     mainloop_kernel(const uint8_t* __restrict__ src, uint32_t src_stages, const float* __restrict__ sfb,
-                    uint32_t num_kb, bool load, float* sink, unsigned long long* cycles) {
+                    uint32_t num_kb, bool load, bool random, const uint8_t* __restrict__ b_stream, uint32_t b_group,
+                    float* sink, unsigned long long* cycles) {
     extern __shared__ uint8_t raw[];
     Smem& ss = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
     constexpr uint32_t kBBytes = kMode == kN128Db ? 128 * 128 : 256 * 128;
@@ -137,7 +141,9 @@ __global__ void __launch_bounds__(384, 1)
     for (uint32_t i = threadIdx.x; i < kStages * 128; i += blockDim.x)
         (&ss.sfa[0][0])[i] = 1.0f + 1e-3f * (i % 7);
     for (uint32_t i = threadIdx.x; i < kStages * (kABytes + kBBytesMax) / 4; i += blockDim.x)
-        reinterpret_cast<uint32_t*>(&ss.a[0][0])[i] = 0x38383838u ^ (i * 2654435761u & 0x03030303u);
+        reinterpret_cast<uint32_t*>(&ss.a[0][0])[i] =
+            random ? (((i + blockIdx.x * 7919u) * 2654435761u) >> 3) & 0x77777777u  // random finite e4m3 bytes
+                   : 0x38383838u ^ (i * 2654435761u & 0x03030303u);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
 
@@ -151,7 +157,12 @@ __global__ void __launch_bounds__(384, 1)
                     const uint8_t* from = src + static_cast<uint64_t>((blockIdx.x * 7 + kb) % src_stages) * (kABytes + kBBytesMax);
                     mbar_expect(&ss.full[s], kABytes + kBBytes + 512);
                     bulk_load(ss.a[s], from, kABytes, &ss.full[s]);
-                    bulk_load(ss.b[s], from + kABytes, kBBytes, &ss.full[s]);
+                    // B either from the L2-resident buffer, or streamed: every group of b_group
+                    // CTAs reads its own sequence once (like b_group M blocks sharing an expert)
+                    const uint8_t* b_from = b_stream != nullptr
+                                                ? b_stream + (static_cast<uint64_t>(blockIdx.x / b_group) * num_kb + kb) * kBBytesMax
+                                                : from + kABytes;
+                    bulk_load(ss.b[s], b_from, kBBytes, &ss.full[s]);
                     bulk_load(ss.sfa[s], reinterpret_cast<const float*>(from), 512, &ss.full[s]);
                 } else {
                     mbar_arrive(&ss.full[s]);
@@ -339,7 +350,7 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 template <int kMode>
-static void run_mode(int sms, uint32_t num_kb, bool load, const uint8_t* src, uint32_t src_stages, const float* sfb,
+static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uint8_t* b_stream, uint32_t b_group, const uint8_t* src, uint32_t src_stages, const float* sfb,
                      float* sink, unsigned long long* cycles) {
     auto kernel = mainloop_kernel<kMode>;
     const size_t smem = sizeof(Smem) + 1024;
@@ -354,7 +365,7 @@ static void run_mode(int sms, uint32_t num_kb, bool load, const uint8_t* src, ui
     for (int rep = 0; rep < 6; ++rep) {
         CHECK(cudaMemset(cycles, 0, sizeof(unsigned long long)));
         CHECK(cudaEventRecord(e0));
-        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, sink, cycles);
+        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, random, b_stream, b_group, sink, cycles);
         CHECK(cudaGetLastError());
         CHECK(cudaEventRecord(e1));
         CHECK(cudaEventSynchronize(e1));
@@ -371,20 +382,27 @@ static void run_mode(int sms, uint32_t num_kb, bool load, const uint8_t* src, ui
     const double med = ms[ms.size() / 2];
     cyc_per_kb /= ms.size();
     const double ideal = 128.0 * n * 128 / 4096.0;
-    printf("%-12s load=%d tile=128x%u  %8.3f ms  %7.1f TFLOPS  %7.1f cycles/kblock (ideal %.0f: %.0f%%)  clock %.2f GHz\n",
-           kModeNames[kMode], load ? 1 : 0, n, med, flops / med / 1e9, cyc_per_kb, ideal, 100.0 * ideal / cyc_per_kb,
+    printf("%-12s load=%d random=%d src=%uMiB b_group=%u tile=128x%u  %8.3f ms  %7.1f TFLOPS  %7.1f cycles/kblock (ideal %.0f: %.0f%%)  clock %.2f GHz\n",
+           kModeNames[kMode], load ? 1 : 0, random ? 1 : 0, static_cast<unsigned>(src_stages * 48ull / 1024), b_stream ? b_group : 0, n, med, flops / med / 1e9, cyc_per_kb, ideal, 100.0 * ideal / cyc_per_kb,
            cyc_per_kb * num_kb / (med * 1e-3) / 1e9);
     fflush(stdout);
 }
 
 
 int main(int argc, char** argv) {
-    bool load = true;
+    bool load = true, random = false;
+    uint32_t src_mib = 3, b_group = 0;
     uint32_t num_kb = 2048;
     std::vector<int> modes;
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--no-load")) {
             load = false;
+        } else if (!strcmp(argv[i], "--b-stream") && i + 1 < argc) {
+            b_group = static_cast<uint32_t>(atoi(argv[++i]));
+        } else if (!strcmp(argv[i], "--random")) {
+            random = true;
+        } else if (!strcmp(argv[i], "--src-mib") && i + 1 < argc) {
+            src_mib = static_cast<uint32_t>(atoi(argv[++i]));
         } else if (!strcmp(argv[i], "--kblocks") && i + 1 < argc) {
             num_kb = static_cast<uint32_t>(atoi(argv[++i]));
         } else {
@@ -407,12 +425,23 @@ int main(int argc, char** argv) {
             modes.push_back(m);
     int sms = 0;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const uint32_t src_stages = 64;  // 3 MiB: stays in L2
+    const uint32_t src_stages = std::max<uint32_t>(1, src_mib * 1024 / 48);  // 3 MiB (default): stays in L2
     uint8_t* src;
     float *sfb, *sink;
     unsigned long long* cycles;
     CHECK(cudaMalloc(&src, static_cast<size_t>(src_stages) * (kABytes + kBBytesMax)));
-    CHECK(cudaMemset(src, 0x38, static_cast<size_t>(src_stages) * (kABytes + kBBytesMax)));
+    {
+        std::vector<uint8_t> h(static_cast<size_t>(src_stages) * (kABytes + kBBytesMax));
+        for (size_t i = 0; i < h.size(); ++i)
+            h[i] = random ? static_cast<uint8_t>(((i * 2654435761ull) >> 7) & 0x77) : 0x38;
+        CHECK(cudaMemcpy(src, h.data(), h.size(), cudaMemcpyHostToDevice));
+    }
+    uint8_t* b_stream = nullptr;
+    if (b_group > 0) {
+        const size_t bytes = static_cast<size_t>((sms + b_group - 1) / b_group) * num_kb * kBBytesMax;
+        CHECK(cudaMalloc(&b_stream, bytes));
+        CHECK(cudaMemset(b_stream, 0x38, bytes));
+    }
     CHECK(cudaMalloc(&sfb, 128 * sizeof(float)));
     std::vector<float> h(128, 1.0f);
     CHECK(cudaMemcpy(sfb, h.data(), 128 * sizeof(float), cudaMemcpyHostToDevice));
@@ -421,13 +450,13 @@ int main(int argc, char** argv) {
     printf("SMs %d, %u K blocks per CTA, %u stages\n", sms, num_kb, kStages);
     for (int m : modes) {
         switch (m) {
-            case kHalves: run_mode<kHalves>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
-            case kNoPromo128: run_mode<kNoPromo128>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
-            case kNoPromo256: run_mode<kNoPromo256>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
-            case kQuarters: run_mode<kQuarters>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
-            case kRsHalves: run_mode<kRsHalves>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
-            case kRsQuarters: run_mode<kRsQuarters>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
-            case kN128Db: run_mode<kN128Db>(sms, num_kb, load, src, src_stages, sfb, sink, cycles); break;
+            case kHalves: run_mode<kHalves>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
+            case kNoPromo128: run_mode<kNoPromo128>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
+            case kNoPromo256: run_mode<kNoPromo256>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
+            case kQuarters: run_mode<kQuarters>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
+            case kRsHalves: run_mode<kRsHalves>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
+            case kRsQuarters: run_mode<kRsQuarters>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
+            case kN128Db: run_mode<kN128Db>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
         }
     }
     CHECK(cudaDeviceSynchronize());
