@@ -11,6 +11,9 @@ struct SharedStorage {
     uint8_t a[kNumStages][kSmemABytes];
     uint8_t b[kNumStages][kSmemBBytes];
     float sfa[kNumStages][kBlockM];
+    // B scales of the stage's K block: {half 0 gate, half 0 up, half 1 gate, half 1 up} for
+    // L1; {half 0, -, half 1, -} for L2 (copied by the producer with the stage)
+    alignas(16) float sfb[kNumStages][4];
     float row_amax[2][64];
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
@@ -130,6 +133,15 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         const uint32_t b_first = (tile.expert * num_n + tile.n) * num_k;
         const uint32_t a_row = tile.block * kBlockM;
         constexpr uint32_t kBPartRows = kBlockN / kClusterM;
+        // B scales: L1 [E_local, 2I/128, H/128, {gate, up}], L2 [E_local, H/128, I/128]; this
+        // tile's two 128-column halves are scale rows 2 n and 2 n + 1.
+        const float* sfb_half0 =
+            tile.is_l2 ? reinterpret_cast<const float*>(p.w2_sf) +
+                             (static_cast<uint64_t>(tile.expert) * (kHidden / 128) + 2 * tile.n) * kNumL2KBlocks
+                       : reinterpret_cast<const float*>(p.w1_sf) +
+                             (static_cast<uint64_t>(tile.expert) * (2 * kIntermediate / 128) + 2 * tile.n) *
+                                 kNumL1KBlocks * 2;
+        const uint32_t sfb_half_stride = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks * 2;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
@@ -137,6 +149,16 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             mbar_wait(p, &ss.empty[stage], phase ^ 1);
             MEGAMOE_PROF(prof_empty += clock64() - prof_t2;)
             ss.stage_tile[stage] = t;
+            if (tile.valid) {
+                if (tile.is_l2) {
+                    ptx::cp_async_ca<4>(&ss.sfb[stage][0], sfb_half0 + kb);
+                    ptx::cp_async_ca<4>(&ss.sfb[stage][2], sfb_half0 + sfb_half_stride + kb);
+                } else {
+                    ptx::cp_async_ca<8>(&ss.sfb[stage][0], sfb_half0 + 2 * kb);
+                    ptx::cp_async_ca<8>(&ss.sfb[stage][2], sfb_half0 + sfb_half_stride + 2 * kb);
+                }
+                ptx::cp_async_mbar_arrive(&ss.full[stage]);
+            }
             ptx::mbar_arrive_expect_tx(&ss.full[stage], tile.valid ? kStageTxBytes : kSmemBBytes);
             if (tile.valid) {
 #ifdef MEGAMOE_EXP_SAME_A  // diagnostic: A from two L2-hot blocks (wrong results)
@@ -324,8 +346,6 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
     const WgSlice slice{wg};
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
-    const float* w1_sf = reinterpret_cast<const float*>(p.w1_sf);
-    const float* w2_sf = reinterpret_cast<const float*>(p.w2_sf);
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
     MEGAMOE_PROF(const bool prof = tid % 128 == 0; uint64_t* prof_c = ss.prof[wg];
@@ -353,33 +373,24 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
             }
             continue;
         }
-        // L1 scales: [E_local, 2I/128, H/128, {gate, up}]; L2 scales: [E_local, H/128, I/128]
-        const float* sfb_base = tile.is_l2 ? w2_sf + static_cast<uint64_t>(tile.expert) * (kHidden / 128) * kNumL2KBlocks
-                                           : w1_sf + static_cast<uint64_t>(tile.expert) * (2 * kIntermediate / 128) *
-                                                         kNumL1KBlocks * 2;
         #pragma unroll
         for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
             acc[i] = 0.0f;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
-            float sfb_even[kNumHalvesPerWg], sfb_odd[kNumHalvesPerWg];
-            #pragma unroll
-            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
-                const uint32_t nb = tile.n * 2 + slice.half(h);
-                if (tile.is_l2) {
-                    sfb_even[h] = sfb_odd[h] = __ldg(sfb_base + nb * kNumL2KBlocks + kb);
-                } else {
-                    sfb_even[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2);
-                    sfb_odd[h] = __ldg(sfb_base + (nb * kNumL1KBlocks + kb) * 2 + 1);
-                }
-            }
             MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
             if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
                 return phase;
             MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
             const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
             const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
+            float sfb_even[kNumHalvesPerWg], sfb_odd[kNumHalvesPerWg];
+            #pragma unroll
+            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+                sfb_even[h] = ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h)]);
+                sfb_odd[h] = tile.is_l2 ? sfb_even[h] : ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h) + 1]);
+            }
             const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
 #ifdef MEGAMOE_EXP_NOPROMO  // diagnostic: no promotion, WGMMAs accumulate straight into acc (wrong results)
             #pragma unroll
