@@ -1,4 +1,5 @@
-"""CPU tier: every fused-kernel variant the heuristics can choose compiles for sm_90a without spills.
+"""CPU tier: every fused-kernel variant the heuristics can choose compiles for sm_90a without spills
+and without serialized WGMMAs.
 
 Variants differ by shape, rank count, block_m and pipeline depth (the token capacity only enters
 index arithmetic, so one capacity stands for all).  Builds go through the JIT (ninja, parallel,
@@ -68,6 +69,7 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
     for v, kernel in zip(variants, built):
         entry = kernel.report[KERNEL_NAME]
         assert not entry.has_spills, f"{v.name}: {kernel.report.summary()}"
+        assert not kernel.report.serialized_wgmma, f"{v.name}: {kernel.report.serialized_wgmma}"
         assert entry.stack_frame_bytes == 0, f"{v.name}: {kernel.report.summary()}"
         assert 0 < entry.registers <= 168, f"{v.name}: {entry.registers} registers"
         assert kernel.cubin_path.stat().st_size > 0
@@ -95,3 +97,13 @@ def test_the_profiling_build_compiles_and_its_counter_names_match_the_kernels_sl
     assert "#define MEGAMOE_PROFILE 1" in source and "MEGAMOE_PROFILE" not in generate_source(v)
     (built,) = build([KernelSource(name=v.name + "_profile", source=source, include_dirs=(str(csrc_dir()),))])
     assert b"megamoe_profile" in built.cubin_path.read_bytes()
+
+
+def test_the_report_catches_serialized_wgmma():
+    from megamoe_cli.jit.build import PtxasReport
+
+    line = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline "
+            "stage in the function 'megamoe_kernel'")
+    assert PtxasReport.parse(line).serialized_wgmma == [line.strip()]
+    assert PtxasReport.parse("ptxas info    : Used 168 registers, used 4 barriers").serialized_wgmma == []

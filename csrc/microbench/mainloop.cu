@@ -12,13 +12,18 @@
 //               quarter is promoted while the next one runs (wait<1>)       tile 128 x 256
 //   rs_halves   halves with A fragments loaded by ldmatrix (RS WGMMA)        tile 128 x 256
 //   rs_quarters quarters with A from registers                               tile 128 x 256
+//   halves_la   halves, with the next K block's full-barrier wait moved under the second
+//               half's WGMMAs (off the path from the last promotion to the next WGMMA)
 //   n128_db     tile 128 x 128: 4 SS m64n128k32 into two alternating partials, each K block's
 //               partial promoted while the next block runs                   tile 128 x 128
 // Numbers only: operands are arbitrary bytes, the result is summed into a sink.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o mainloop mainloop.cu
 // Run:   ./mainloop [--no-load] [--random] [--src-mib N] [--b-stream G] [--kblocks N] [mode ...]
-// (--b-stream G: B streamed from DRAM, each group of G CTAs reading one sequence once)
+// (--b-stream G: B streamed from DRAM, each group of G CTAs reading one sequence once;
+//  --tile-kb N C: halves mode only, a tile boundary every N K blocks: both warpgroups meet
+//  at a barrier and spend C cycles, like the epilogue; --no-tile-barrier: without the barrier;
+//  --stagger S: warpgroup 2 spends S more cycles there)
 // (--random: random finite FP8 operands instead of a constant; --src-mib: size of the buffer
 // the stages are streamed from, 3 MiB = L2-resident by default)
 #include <cuda.h>
@@ -43,9 +48,9 @@
         }                                                                                           \
     } while (0)
 
-enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kNumModes };
+enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kNumModes };
 static const char* kModeNames[kNumModes] = {"halves", "nopromo128", "nopromo256", "quarters",
-                                            "rs_halves", "rs_quarters", "n128_db"};
+                                            "rs_halves", "rs_quarters", "n128_db", "halves_la"};
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kABytes = 128 * 128;
@@ -126,7 +131,8 @@ template <int kMode>
 __global__ void __launch_bounds__(384, 1)
     mainloop_kernel(const uint8_t* __restrict__ src, uint32_t src_stages, const float* __restrict__ sfb,
                     uint32_t num_kb, bool load, bool random, const uint8_t* __restrict__ b_stream, uint32_t b_group,
-                    float* sink, unsigned long long* cycles) {
+                    uint32_t tile_kb, uint32_t epi_cycles, bool tile_barrier, uint32_t stagger, float* sink,
+                    unsigned long long* cycles) {
     extern __shared__ uint8_t raw[];
     Smem& ss = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
     constexpr uint32_t kBBytes = kMode == kN128Db ? 128 * 128 : 256 * 128;
@@ -214,6 +220,50 @@ __global__ void __launch_bounds__(384, 1)
                 if (h == 1 && lane == 0)
                     mbar_arrive(&ss.empty[s]);
                 promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
+            }
+            if (tile_kb != 0 && (kb + 1) % tile_kb == 0) {
+                // A tile boundary: both warpgroups meet (like the L1 epilogue's barrier) and
+                // spend epi_cycles on epilogue work before the next tile's first K block.
+                if (tile_barrier)
+                    asm volatile("bar.sync 1, 256;" ::: "memory");
+                const unsigned long long e0 = clock64();
+                const uint32_t spin = epi_cycles + (wg == 1 ? stagger : 0);
+                while (clock64() - e0 < spin) {
+                }
+            }
+        }
+    } else if constexpr (kMode == kHalvesLookahead) {
+        float part[64];
+        mbar_wait(&ss.full[0], 0);
+        for (uint32_t kb = 0; kb < num_kb; ++kb) {
+            const uint32_t s = kb % kStages;
+            const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
+            const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
+            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+            #pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                const uint64_t db = desc_sw128(ss.b[s] + h * 128 * 128);
+                fence_regs(part);
+                wg_fence();
+                #pragma unroll
+                for (uint32_t k = 0; k < 4; ++k)
+                    wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
+                wg_commit();
+                if (h == 1 && kb + 1 < num_kb)
+                    mbar_wait(&ss.full[(kb + 1) % kStages], ((kb + 1) / kStages) & 1);
+                wg_wait<0>();
+                fence_regs(part);
+                if (h == 1 && lane == 0)
+                    mbar_arrive(&ss.empty[s]);
+                promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
+            }
+            if (tile_kb != 0 && (kb + 1) % tile_kb == 0) {
+                if (tile_barrier)
+                    asm volatile("bar.sync 1, 256;" ::: "memory");
+                const unsigned long long e0 = clock64();
+                const uint32_t spin = epi_cycles + (wg == 1 ? stagger : 0);
+                while (clock64() - e0 < spin) {
+                }
             }
         }
     } else if constexpr (kMode == kNoPromo128 || kMode == kNoPromo256) {
@@ -350,7 +400,7 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 template <int kMode>
-static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uint8_t* b_stream, uint32_t b_group, const uint8_t* src, uint32_t src_stages, const float* sfb,
+static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uint8_t* b_stream, uint32_t b_group, uint32_t tile_kb, uint32_t epi_cycles, bool tile_barrier, uint32_t stagger, const uint8_t* src, uint32_t src_stages, const float* sfb,
                      float* sink, unsigned long long* cycles) {
     auto kernel = mainloop_kernel<kMode>;
     const size_t smem = sizeof(Smem) + 1024;
@@ -365,7 +415,7 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
     for (int rep = 0; rep < 6; ++rep) {
         CHECK(cudaMemset(cycles, 0, sizeof(unsigned long long)));
         CHECK(cudaEventRecord(e0));
-        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, random, b_stream, b_group, sink, cycles);
+        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, sink, cycles);
         CHECK(cudaGetLastError());
         CHECK(cudaEventRecord(e1));
         CHECK(cudaEventSynchronize(e1));
@@ -382,8 +432,8 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
     const double med = ms[ms.size() / 2];
     cyc_per_kb /= ms.size();
     const double ideal = 128.0 * n * 128 / 4096.0;
-    printf("%-12s load=%d random=%d src=%uMiB b_group=%u tile=128x%u  %8.3f ms  %7.1f TFLOPS  %7.1f cycles/kblock (ideal %.0f: %.0f%%)  clock %.2f GHz\n",
-           kModeNames[kMode], load ? 1 : 0, random ? 1 : 0, static_cast<unsigned>(src_stages * 48ull / 1024), b_stream ? b_group : 0, n, med, flops / med / 1e9, cyc_per_kb, ideal, 100.0 * ideal / cyc_per_kb,
+    printf("%-12s load=%d random=%d src=%uMiB b_group=%u tile_kb=%u epi=%u bar=%d stagger=%u tile=128x%u  %8.3f ms  %7.1f TFLOPS  %7.1f cycles/kblock (ideal %.0f: %.0f%%)  clock %.2f GHz\n",
+           kModeNames[kMode], load ? 1 : 0, random ? 1 : 0, static_cast<unsigned>(src_stages * 48ull / 1024), b_stream ? b_group : 0, tile_kb, epi_cycles, tile_barrier ? 1 : 0, stagger, n, med, flops / med / 1e9, cyc_per_kb, ideal, 100.0 * ideal / cyc_per_kb,
            cyc_per_kb * num_kb / (med * 1e-3) / 1e9);
     fflush(stdout);
 }
@@ -391,7 +441,8 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
 
 int main(int argc, char** argv) {
     bool load = true, random = false;
-    uint32_t src_mib = 3, b_group = 0;
+    uint32_t src_mib = 3, b_group = 0, tile_kb = 0, epi_cycles = 0, stagger = 0;
+    bool tile_barrier = true;
     uint32_t num_kb = 2048;
     std::vector<int> modes;
     for (int i = 1; i < argc; ++i) {
@@ -399,6 +450,13 @@ int main(int argc, char** argv) {
             load = false;
         } else if (!strcmp(argv[i], "--b-stream") && i + 1 < argc) {
             b_group = static_cast<uint32_t>(atoi(argv[++i]));
+        } else if (!strcmp(argv[i], "--tile-kb") && i + 2 < argc) {
+            tile_kb = static_cast<uint32_t>(atoi(argv[++i]));
+            epi_cycles = static_cast<uint32_t>(atoi(argv[++i]));
+        } else if (!strcmp(argv[i], "--no-tile-barrier")) {
+            tile_barrier = false;
+        } else if (!strcmp(argv[i], "--stagger") && i + 1 < argc) {
+            stagger = static_cast<uint32_t>(atoi(argv[++i]));
         } else if (!strcmp(argv[i], "--random")) {
             random = true;
         } else if (!strcmp(argv[i], "--src-mib") && i + 1 < argc) {
@@ -450,13 +508,14 @@ int main(int argc, char** argv) {
     printf("SMs %d, %u K blocks per CTA, %u stages\n", sms, num_kb, kStages);
     for (int m : modes) {
         switch (m) {
-            case kHalves: run_mode<kHalves>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
-            case kNoPromo128: run_mode<kNoPromo128>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
-            case kNoPromo256: run_mode<kNoPromo256>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
-            case kQuarters: run_mode<kQuarters>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
-            case kRsHalves: run_mode<kRsHalves>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
-            case kRsQuarters: run_mode<kRsQuarters>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
-            case kN128Db: run_mode<kN128Db>(sms, num_kb, load, random, b_stream, b_group, src, src_stages, sfb, sink, cycles); break;
+            case kHalves: run_mode<kHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kNoPromo128: run_mode<kNoPromo128>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kNoPromo256: run_mode<kNoPromo256>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kQuarters: run_mode<kQuarters>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kRsHalves: run_mode<kRsHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kRsQuarters: run_mode<kRsQuarters>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kHalvesLookahead: run_mode<kHalvesLookahead>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kN128Db: run_mode<kN128Db>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
         }
     }
     CHECK(cudaDeviceSynchronize());

@@ -141,6 +141,12 @@ class PtxasReport:
         return any(f.has_spills for f in self.functions.values())
 
     @property
+    def serialized_wgmma(self) -> List[str]:
+        """ptxas's notes that it serialized WGMMAs (C7514/C7515...): each one costs the overlap
+        of a whole WGMMA pipeline, so the kernel must have none."""
+        return [line.strip() for line in self.raw.splitlines() if "wgmma.mma_async instructions are serialized" in line]
+
+    @property
     def entries(self) -> Dict[str, FunctionReport]:
         return {name: f for name, f in self.functions.items() if f.entry}
 
