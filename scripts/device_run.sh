@@ -3,6 +3,9 @@
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
 #   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|ab|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
+# mainloop [args]: the main-loop microbenchmark; ab: AB_PATCH=<diff inside the tree, e.g. an untracked
+# file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
+# AB_SKIP_TESTS); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B (timing only)
 set -uo pipefail
 MODE=${1:-quick}
 shift || true

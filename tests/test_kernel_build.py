@@ -107,3 +107,24 @@ def test_the_report_catches_serialized_wgmma():
             "stage in the function 'megamoe_kernel'")
     assert PtxasReport.parse(line).serialized_wgmma == [line.strip()]
     assert PtxasReport.parse("ptxas info    : Used 168 registers, used 4 barriers").serialized_wgmma == []
+
+
+def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch):
+    from megamoe_cli.errors import MegaMoEError
+    from megamoe_cli.kernel_source import ENV_EXPERIMENT, EXPERIMENTS
+
+    v = Variant(PRESETS["small"], 2, 64, 64, 4, 1)
+    monkeypatch.delenv(ENV_EXPERIMENT, raising=False)
+    assert "MEGAMOE_EXP_" not in generate_source(v)
+    monkeypatch.setenv(ENV_EXPERIMENT, "noPromo, same_b")
+    source = generate_source(v)
+    assert "#define MEGAMOE_EXP_NOPROMO 1" in source and "#define MEGAMOE_EXP_SAME_B 1" in source
+    assert "MEGAMOE_EXP_SAME_A" not in source
+    monkeypatch.setenv(ENV_EXPERIMENT, "nopromo,fast")
+    with pytest.raises(MegaMoEError) as err:
+        generate_source(v)
+    assert "FAST" in str(err.value) and all(name in str(err.value) for name in EXPERIMENTS)
+    # Every experiment the generator accepts is one the kernel source knows.
+    text = "".join(p.read_text() for p in (csrc_dir() / "megamoe").glob("*.cuh"))
+    for name in EXPERIMENTS:
+        assert f"MEGAMOE_EXP_{name}" in text
