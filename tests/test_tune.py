@@ -149,7 +149,11 @@ def test_candidates_always_include_the_default_and_record_every_exclusion():
     reasons = {(r.candidate.block_m, r.candidate.num_stages, r.candidate.num_sms): r.reason for r in plan.excluded}
     assert all(r.status == EXCLUDED and r.stage == "config" for r in plan.excluded)
     assert "block_m=32 is not supported" in reasons[(32, 4, 0)]
-    assert "shared memory" in reasons[(128, 5, 0)] and "254036" in reasons[(128, 5, 0)]
+    from megamoe_cli.kernel_source import MAX_SMEM_BYTES, Variant, smem_bytes
+
+    needed = smem_bytes(Variant(DSV3, 2, 8192, 128, 5, 1))
+    assert needed > MAX_SMEM_BYTES
+    assert "shared memory" in reasons[(128, 5, 0)] and str(needed) in reasons[(128, 5, 0)]
     assert "the same launch as num_sms=all (H200 has 132 SMs)" == reasons[(128, 4, 132)]
     assert "num_sms=200 is more than the 132 SMs of an H200" == reasons[(128, 4, 200)]
     # 2 block_m x 2 stages x 3 SM counts, the default among them: every one is accounted for.
