@@ -233,5 +233,5 @@ def smem_bytes(variant: Variant) -> int:
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
     barriers = 16 * variant.num_stages
     schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
-    profile = 3 * 10 * 8  # cycle counters of profiling builds
+    profile = 3 * 12 * 8  # cycle counters of profiling builds
     return stages + staging + barriers + schedule + profile + 1024 + 256  # alignment slack

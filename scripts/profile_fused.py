@@ -114,7 +114,8 @@ def main() -> None:
                     if world > 1:
                         dist.barrier()
                     if r == rank:
-                        print_profile(counters, config, rank if world > 1 else None)
+                        print_profile(counters, config, rank if world > 1 else None,
+                                      kb_l1=shape.hidden // 128, kb_l2=shape.intermediate // 128)
             del runner
             torch.cuda.empty_cache()
 
@@ -132,8 +133,14 @@ def profile_call(runner) -> dict:
     return kernel.read_profile()
 
 
-def print_profile(c: dict, config, rank=None) -> None:
+def print_profile(c: dict, config, rank=None, kb_l1: int = 0, kb_l2: int = 0) -> None:
+    """kb_l1 / kb_l2: K blocks per L1 / L2 tile (hidden / 128, intermediate / 128)."""
     n = max(c["samplers"], 1)  # consumer warpgroups
+
+    def per_kb(cycles, tiles, blocks_per_tile):
+        kblocks = tiles * blocks_per_tile
+        return f"{cycles / kblocks:.0f} cycles" if kblocks else "-"
+
     ctas = max(n // 2, 1)
     total = c["consumer_total"] / n
     def pct(v):
@@ -144,6 +151,9 @@ def print_profile(c: dict, config, rank=None) -> None:
         f"      tile first-stage wait {c['tile_wait'] / n:10.0f} {pct(c['tile_wait'] / n)}",
         f"      mainloop            {c['mainloop'] / n:12.0f} {pct(c['mainloop'] / n)}  (of which stage waits "
         f"{c['stage_wait'] / n:.0f} = {pct(c['stage_wait'] / n)})",
+        f"        per K block: L1 tiles {per_kb(c['mainloop_l1'], c['tiles_l1'], kb_l1)}, L2 tiles "
+        f"{per_kb(c['mainloop'] - c['mainloop_l1'], c['tiles_l2'], kb_l2)}, a tile's first two "
+        f"{per_kb(c['mainloop_head'], c['tiles_l1'] + c['tiles_l2'], 2)}",
         f"      epilogue L1         {c['epilogue_l1'] / n:12.0f} {pct(c['epilogue_l1'] / n)}  over {c['tiles_l1'] / n:.1f} tiles (math+stores "
         f"{c['epilogue_l1_math'] / n:.0f}, fence+barrier+release {c['epilogue_l1_release'] / n:.0f})",
         f"      epilogue L2         {c['epilogue_l2'] / n:12.0f} {pct(c['epilogue_l2'] / n)}  over {c['tiles_l2'] / n:.1f} tiles",

@@ -100,6 +100,8 @@ enum ProfileSlot : uint32_t {
     kProfDispatchSchedule = 17,  // dispatch: count, barriers, publish, schedule
     kProfEpilogueL1Math = 18,    // L1 epilogue up to its stores
     kProfEpilogueL1Release = 19, // L1 epilogue: proxy fence, barrier, release
+    kProfMainloopL1 = 20,        // consumer: k loops of L1 tiles (kProfMainloop - this = L2 tiles)
+    kProfMainloopHead = 21,      // consumer: the first two K blocks of every tile
 };
 
 // Phases named in timeout diagnostics

@@ -19,7 +19,7 @@ struct SharedStorage {
     uint64_t empty[kNumStages];
     uint32_t stage_tile[kNumStages];
     Schedule schedule;
-    MEGAMOE_PROF(uint64_t prof[3][10];)  // per consumer warpgroup (slots 0-6), then the producer
+    MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
 };
 
 struct Tile {
@@ -349,7 +349,8 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
     MEGAMOE_PROF(const bool prof = tid % 128 == 0; uint64_t* prof_c = ss.prof[wg];
-                 if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[9] = clock64(); })
+                 if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = 0;
+                             prof_c[9] = clock64(); })
     while (true) {
         // The first stage of a tile says which tile it is (or that none is left).
         MEGAMOE_PROF(if (prof) prof_c[8] = clock64();)
@@ -379,6 +380,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
+            MEGAMOE_PROF(if (prof && kb == 2) prof_c[11] += clock64() - prof_c[8];)
             MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
             if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
                 return phase;
@@ -446,7 +448,11 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
                 }
             }
         }
-        MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof) prof_c[kProfMainloop] += prof_t2 - prof_c[8];)
+        MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof) {
+            prof_c[kProfMainloop] += prof_t2 - prof_c[8];
+            if (!tile.is_l2)
+                prof_c[10] += prof_t2 - prof_c[8];
+        })
         if (tile.is_l2)
             epilogue_l2(p, ss, tile, acc, slice, tid);
         else
@@ -464,6 +470,8 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
     MEGAMOE_PROF(if (prof) {
         for (uint32_t i = 0; i < 7; ++i)
             MEGAMOE_PROF_ADD(i, prof_c[i]);
+        MEGAMOE_PROF_ADD(kProfMainloopL1, prof_c[10]);
+        MEGAMOE_PROF_ADD(kProfMainloopHead, prof_c[11]);
         MEGAMOE_PROF_ADD(kProfConsumerLoop, clock64() - prof_c[9]);
     })
     return kConsumerOk;

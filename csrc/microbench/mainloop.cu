@@ -23,7 +23,8 @@
 // (--b-stream G: B streamed from DRAM, each group of G CTAs reading one sequence once;
 //  --tile-kb N C: halves mode only, a tile boundary every N K blocks: both warpgroups meet
 //  at a barrier and spend C cycles, like the epilogue; --no-tile-barrier: without the barrier;
-//  --stagger S: warpgroup 2 spends S more cycles there)
+//  --stagger S: warpgroup 2 spends S more cycles there; --copy-mib M: warps 1-3 copy rows between
+//  two M MiB buffers the whole time, like the fused kernel's dispatch warps)
 // (--random: random finite FP8 operands instead of a constant; --src-mib: size of the buffer
 // the stages are streamed from, 3 MiB = L2-resident by default)
 #include <cuda.h>
@@ -62,6 +63,7 @@ struct Smem {
     float sfa[kStages][128];
     uint64_t full[kStages];
     uint64_t empty[kStages];
+    volatile uint32_t consumers_done;
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -131,13 +133,15 @@ template <int kMode>
 __global__ void __launch_bounds__(384, 1)
     mainloop_kernel(const uint8_t* __restrict__ src, uint32_t src_stages, const float* __restrict__ sfb,
                     uint32_t num_kb, bool load, bool random, const uint8_t* __restrict__ b_stream, uint32_t b_group,
-                    uint32_t tile_kb, uint32_t epi_cycles, bool tile_barrier, uint32_t stagger, float* sink,
+                    uint32_t tile_kb, uint32_t epi_cycles, bool tile_barrier, uint32_t stagger,
+                    const int4* __restrict__ copy_src, int4* __restrict__ copy_dst, uint64_t copy_vecs, float* sink,
                     unsigned long long* cycles) {
     extern __shared__ uint8_t raw[];
     Smem& ss = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
     constexpr uint32_t kBBytes = kMode == kN128Db ? 128 * 128 : 256 * 128;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
+        ss.consumers_done = 0;
         for (uint32_t s = 0; s < kStages; ++s) {
             mbar_init(&ss.full[s], 1);
             mbar_init(&ss.empty[s], 8);
@@ -173,6 +177,21 @@ __global__ void __launch_bounds__(384, 1)
                 } else {
                     mbar_arrive(&ss.full[s]);
                 }
+            }
+        } else if (warp > 0 && copy_src != nullptr) {
+            // Like the fused kernel's dispatch warps: global -> register -> global row copies
+            // (4 x 16 bytes in flight per lane) while the consumers run.
+            uint64_t i = (static_cast<uint64_t>(blockIdx.x) * 3 + (warp - 1)) * 128 + lane;
+            const uint64_t stride = static_cast<uint64_t>(gridDim.x) * 3 * 128;
+            while (ss.consumers_done < 2) {
+                int4 v[4];
+                #pragma unroll
+                for (uint32_t u = 0; u < 4; ++u)
+                    v[u] = __ldcg(copy_src + ((i + 32 * u) & (copy_vecs - 1)));
+                #pragma unroll
+                for (uint32_t u = 0; u < 4; ++u)
+                    copy_dst[(i + 32 * u) & (copy_vecs - 1)] = v[u];
+                i += stride;
             }
         }
         return;
@@ -390,6 +409,8 @@ __global__ void __launch_bounds__(384, 1)
         }
     }
     const unsigned long long t1 = clock64();
+    if (wt == 0)
+        atomicAdd(const_cast<uint32_t*>(&ss.consumers_done), 1u);
     float sum = 0.0f;
     #pragma unroll
     for (uint32_t i = 0; i < kAccRegs; ++i)
@@ -398,6 +419,10 @@ __global__ void __launch_bounds__(384, 1)
     if (wt == 0)
         atomicAdd(cycles, t1 - t0);
 }
+
+static const int4* g_copy_src = nullptr;
+static int4* g_copy_dst = nullptr;
+static uint64_t g_copy_vecs = 0;
 
 template <int kMode>
 static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uint8_t* b_stream, uint32_t b_group, uint32_t tile_kb, uint32_t epi_cycles, bool tile_barrier, uint32_t stagger, const uint8_t* src, uint32_t src_stages, const float* sfb,
@@ -415,7 +440,7 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
     for (int rep = 0; rep < 6; ++rep) {
         CHECK(cudaMemset(cycles, 0, sizeof(unsigned long long)));
         CHECK(cudaEventRecord(e0));
-        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, sink, cycles);
+        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, g_copy_src, g_copy_dst, g_copy_vecs, sink, cycles);
         CHECK(cudaGetLastError());
         CHECK(cudaEventRecord(e1));
         CHECK(cudaEventSynchronize(e1));
@@ -443,6 +468,7 @@ int main(int argc, char** argv) {
     bool load = true, random = false;
     uint32_t src_mib = 3, b_group = 0, tile_kb = 0, epi_cycles = 0, stagger = 0;
     bool tile_barrier = true;
+    uint32_t copy_mib = 0;
     uint32_t num_kb = 2048;
     std::vector<int> modes;
     for (int i = 1; i < argc; ++i) {
@@ -453,6 +479,8 @@ int main(int argc, char** argv) {
         } else if (!strcmp(argv[i], "--tile-kb") && i + 2 < argc) {
             tile_kb = static_cast<uint32_t>(atoi(argv[++i]));
             epi_cycles = static_cast<uint32_t>(atoi(argv[++i]));
+        } else if (!strcmp(argv[i], "--copy-mib") && i + 1 < argc) {
+            copy_mib = static_cast<uint32_t>(atoi(argv[++i]));
         } else if (!strcmp(argv[i], "--no-tile-barrier")) {
             tile_barrier = false;
         } else if (!strcmp(argv[i], "--stagger") && i + 1 < argc) {
@@ -499,6 +527,19 @@ int main(int argc, char** argv) {
         const size_t bytes = static_cast<size_t>((sms + b_group - 1) / b_group) * num_kb * kBBytesMax;
         CHECK(cudaMalloc(&b_stream, bytes));
         CHECK(cudaMemset(b_stream, 0x38, bytes));
+    }
+    if (copy_mib & (copy_mib - 1)) {
+        fprintf(stderr, "--copy-mib must be a power of two, got %u\n", copy_mib);
+        return 2;
+    }
+    if (copy_mib > 0) {
+        g_copy_vecs = static_cast<uint64_t>(copy_mib) << 16;  // 16-byte vectors
+        int4 *a, *b;
+        CHECK(cudaMalloc(&a, g_copy_vecs * 16));
+        CHECK(cudaMalloc(&b, g_copy_vecs * 16));
+        CHECK(cudaMemset(a, 1, g_copy_vecs * 16));
+        g_copy_src = a;
+        g_copy_dst = b;
     }
     CHECK(cudaMalloc(&sfb, 128 * sizeof(float)));
     std::vector<float> h(128, 1.0f);
