@@ -128,3 +128,21 @@ def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch)
     text = "".join(p.read_text() for p in (csrc_dir() / "megamoe").glob("*.cuh"))
     for name in EXPERIMENTS:
         assert f"MEGAMOE_EXP_{name}" in text
+
+
+def test_the_mainloop_microbenchmark_compiles_without_spills_or_serialized_wgmma(tmp_path):
+    import subprocess
+
+    from megamoe_cli.jit.build import PtxasReport, find_nvcc
+
+    source = csrc_dir() / "microbench" / "mainloop.cu"
+    result = subprocess.run(
+        [find_nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+         "-o", str(tmp_path / "mainloop.cubin"), str(source)],
+        capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = PtxasReport.parse(result.stderr + result.stdout)
+    kernels = [name for name, f in report.entries.items() if "mainloop_kernel" in name]
+    assert len(kernels) == 8, report.summary()  # one per mode
+    assert not report.has_spills, report.summary()
+    assert not report.serialized_wgmma, report.serialized_wgmma
