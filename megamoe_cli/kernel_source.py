@@ -181,8 +181,9 @@ def pack_params(
 
 
 ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
-# Diagnostic builds (wrong results on purpose, timing only): see csrc/megamoe/gemm.cuh.
-EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B")
+# Diagnostic builds (timing only; NOPROMO / SAME_A / SAME_B give wrong results on purpose, PULL1
+# pulls tokens with one warp per CTA): see csrc/megamoe/gemm.cuh and dispatch.cuh.
+EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1")
 
 
 def experiment_defines() -> Tuple[str, ...]:

@@ -5,7 +5,7 @@
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 # mainloop [args]: the main-loop microbenchmark; ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
-# AB_SKIP_TESTS); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B (timing only)
+# AB_SKIP_TESTS); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B|PULL1 (timing only)
 set -uo pipefail
 MODE=${1:-quick}
 shift || true

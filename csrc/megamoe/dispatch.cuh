@@ -155,9 +155,16 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
     constexpr uint32_t kBatch = 4;
     constexpr uint32_t kSfPerRow = kHidden / 128;
 
+#ifdef MEGAMOE_EXP_PULL1  // diagnostic: one pulling warp per CTA instead of kNumDispatchWarps
+    constexpr uint32_t kPullWarps = 1;
+    if (dispatch_warp >= kPullWarps)
+        return;
+#else
+    constexpr uint32_t kPullWarps = kNumDispatchWarps;
+#endif
     const uint32_t num_rows = s.num_rows();
-    const uint32_t num_warps = gridDim.x * kNumDispatchWarps;
-    for (uint32_t j = blockIdx.x * kNumDispatchWarps + dispatch_warp; j < num_rows; j += num_warps) {
+    const uint32_t num_warps = gridDim.x * kPullWarps;
+    for (uint32_t j = blockIdx.x * kPullWarps + dispatch_warp; j < num_rows; j += num_warps) {
         const uint32_t e = Schedule::upper_expert(s.row_start, j);
         const uint32_t row_in_expert = j - s.row_start[e];
         uint32_t src = 0;
