@@ -24,7 +24,8 @@
 //  --tile-kb N C: halves mode only, a tile boundary every N K blocks: both warpgroups meet
 //  at a barrier and spend C cycles, like the epilogue; --no-tile-barrier: without the barrier;
 //  --stagger S: warpgroup 2 spends S more cycles there; --copy-mib M: warps 1-3 copy rows between
-//  two M MiB buffers the whole time, like the fused kernel's dispatch warps)
+//  two M MiB buffers the whole time, like the fused kernel's dispatch warps; --tma2d: A and B by 2-D
+//  tensor TMA with the fused kernel's layouts, see the producer)
 // (--random: random finite FP8 operands instead of a constant; --src-mib: size of the buffer
 // the stages are streamed from, 3 MiB = L2-resident by default)
 #include <cuda.h>
@@ -88,6 +89,13 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                  "l"(src), "r"(bytes), "r"(saddr(bar))
                  : "memory");
 }
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0, int32_t c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+            saddr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1)
+        : "memory");
+}
 __device__ __forceinline__ uint64_t desc_sw128(const void* p) {
     const uint64_t addr = saddr(p);
     return ((addr & 0x3FFFFull) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
@@ -134,8 +142,9 @@ __global__ void __launch_bounds__(384, 1)
     mainloop_kernel(const uint8_t* __restrict__ src, uint32_t src_stages, const float* __restrict__ sfb,
                     uint32_t num_kb, bool load, bool random, const uint8_t* __restrict__ b_stream, uint32_t b_group,
                     uint32_t tile_kb, uint32_t epi_cycles, bool tile_barrier, uint32_t stagger,
-                    const int4* __restrict__ copy_src, int4* __restrict__ copy_dst, uint64_t copy_vecs, float* sink,
-                    unsigned long long* cycles) {
+                    const int4* __restrict__ copy_src, int4* __restrict__ copy_dst, uint64_t copy_vecs,
+                    const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                    uint32_t tma_a_blocks, uint32_t tma_b_stages, float* sink, unsigned long long* cycles) {
     extern __shared__ uint8_t raw[];
     Smem& ss = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
     constexpr uint32_t kBBytes = kMode == kN128Db ? 128 * 128 : 256 * 128;
@@ -163,7 +172,18 @@ __global__ void __launch_bounds__(384, 1)
             for (uint32_t kb = 0; kb < num_kb; ++kb) {
                 const uint32_t s = kb % kStages;
                 mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);
-                if (load) {
+                if (load && tma_a_blocks != 0) {
+                    // Like the fused kernel: A from a [rows, 7168] FP8 pool by 2-D tensor TMA (128 rows x
+                    // 128 bytes, rows 7168 bytes apart, 128B swizzle), each row block shared by 16 CTAs
+                    // at a time and advancing every 56 K blocks; B tiles by 2-D TMA from a tiled weight
+                    // buffer, each sequence shared by 4 CTAs.
+                    const uint32_t rb = ((blockIdx.x / 16) * 7 + kb / 56) % tma_a_blocks;
+                    const uint32_t bt = ((blockIdx.x / 4) * 97 + kb) % tma_b_stages;
+                    mbar_expect(&ss.full[s], kABytes + kBBytes + 512);
+                    tma_2d(ss.a[s], &tmap_a, &ss.full[s], (kb % 56) * 128, rb * 128);
+                    tma_2d(ss.b[s], &tmap_b, &ss.full[s], 0, bt * (kBBytes / 128));
+                    bulk_load(ss.sfa[s], src, 512, &ss.full[s]);
+                } else if (load) {
                     const uint8_t* from = src + static_cast<uint64_t>((blockIdx.x * 7 + kb) % src_stages) * (kABytes + kBBytesMax);
                     mbar_expect(&ss.full[s], kABytes + kBBytes + 512);
                     bulk_load(ss.a[s], from, kABytes, &ss.full[s]);
@@ -420,6 +440,40 @@ __global__ void __launch_bounds__(384, 1)
         atomicAdd(cycles, t1 - t0);
 }
 
+static CUtensorMap g_tmap_a, g_tmap_b;
+static uint32_t g_tma_a_blocks = 0, g_tma_b_stages = 0;
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// A 2-D u8 tensor map: rows of `cols` bytes, boxes of 128 bytes x box_rows, 128B swizzle.
+static CUtensorMap make_tmap(void* base, uint64_t cols, uint64_t rows, uint32_t box_rows) {
+    static EncodeTiled encode = nullptr;
+    if (encode == nullptr) {
+        cudaDriverEntryPointQueryResult status;
+        CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
+                                               cudaEnableDefault, &status));
+        if (encode == nullptr) {
+            fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
+            exit(1);
+        }
+    }
+    CUtensorMap map;
+    const cuuint64_t dims[2] = {cols, rows};
+    const cuuint64_t strides[1] = {cols};
+    const cuuint32_t box[2] = {128, box_rows};
+    const cuuint32_t elem[2] = {1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, elem,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
+        exit(1);
+    }
+    return map;
+}
+
 static const int4* g_copy_src = nullptr;
 static int4* g_copy_dst = nullptr;
 static uint64_t g_copy_vecs = 0;
@@ -440,7 +494,7 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
     for (int rep = 0; rep < 6; ++rep) {
         CHECK(cudaMemset(cycles, 0, sizeof(unsigned long long)));
         CHECK(cudaEventRecord(e0));
-        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, g_copy_src, g_copy_dst, g_copy_vecs, sink, cycles);
+        kernel<<<sms, 384, smem>>>(src, src_stages, sfb, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, g_copy_src, g_copy_dst, g_copy_vecs, g_tmap_a, g_tmap_b, g_tma_a_blocks, g_tma_b_stages, sink, cycles);
         CHECK(cudaGetLastError());
         CHECK(cudaEventRecord(e1));
         CHECK(cudaEventSynchronize(e1));
@@ -469,6 +523,7 @@ int main(int argc, char** argv) {
     uint32_t src_mib = 3, b_group = 0, tile_kb = 0, epi_cycles = 0, stagger = 0;
     bool tile_barrier = true;
     uint32_t copy_mib = 0;
+    bool tma2d = false;
     uint32_t num_kb = 2048;
     std::vector<int> modes;
     for (int i = 1; i < argc; ++i) {
@@ -481,6 +536,8 @@ int main(int argc, char** argv) {
             epi_cycles = static_cast<uint32_t>(atoi(argv[++i]));
         } else if (!strcmp(argv[i], "--copy-mib") && i + 1 < argc) {
             copy_mib = static_cast<uint32_t>(atoi(argv[++i]));
+        } else if (!strcmp(argv[i], "--tma2d")) {
+            tma2d = true;
         } else if (!strcmp(argv[i], "--no-tile-barrier")) {
             tile_barrier = false;
         } else if (!strcmp(argv[i], "--stagger") && i + 1 < argc) {
@@ -528,6 +585,19 @@ int main(int argc, char** argv) {
         CHECK(cudaMalloc(&b_stream, bytes));
         CHECK(cudaMemset(b_stream, 0x38, bytes));
     }
+    if (tma2d) {
+        // Pool: 65536 rows x 7168 bytes (470 MB); weights: 8192 tiles of 256 x 128 bytes (268 MB).
+        const uint64_t pool_rows = 65536, pool_cols = 7168, b_tiles = 8192;
+        void *pool, *weights;
+        CHECK(cudaMalloc(&pool, pool_rows * pool_cols));
+        CHECK(cudaMalloc(&weights, b_tiles * 256 * 128));
+        CHECK(cudaMemset(pool, 0x38, pool_rows * pool_cols));
+        CHECK(cudaMemset(weights, 0x38, b_tiles * 256 * 128));
+        g_tmap_a = make_tmap(pool, pool_cols, pool_rows, 128);
+        g_tmap_b = make_tmap(weights, 128, b_tiles * 256, 256);
+        g_tma_a_blocks = static_cast<uint32_t>(pool_rows / 128);
+        g_tma_b_stages = static_cast<uint32_t>(b_tiles);
+    }
     if (copy_mib & (copy_mib - 1)) {
         fprintf(stderr, "--copy-mib must be a power of two, got %u\n", copy_mib);
         return 2;
@@ -548,6 +618,10 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&cycles, sizeof(unsigned long long)));
     printf("SMs %d, %u K blocks per CTA, %u stages\n", sms, num_kb, kStages);
     for (int m : modes) {
+        if (tma2d && m == kN128Db) {
+            printf("%-12s skipped: --tma2d loads 128 x 256 tiles\n", kModeNames[m]);
+            continue;
+        }
         switch (m) {
             case kHalves: run_mode<kHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kNoPromo128: run_mode<kNoPromo128>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
