@@ -25,6 +25,7 @@ from .kernel_source import (
     KernelConfig,
     Variant,
     csrc_dir,
+    experiment_defines,
     generate_source,
     pack_params,
     param_offset,
@@ -281,11 +282,12 @@ class _Kernel:
             raise MegaMoEError(f"kernel variant {self.variant.name} was built without counters; set {PROFILE_ENV}=1")
 
 
-_KERNELS: Dict[Tuple[Variant, int, bool], _Kernel] = {}
+_KERNELS: Dict[Tuple[Variant, int, bool, Tuple[str, ...]], _Kernel] = {}
 
 
 def get_kernel(variant: Variant, device: torch.device) -> _Kernel:
-    key = (variant, device.index, profiling_enabled())
+    # The diagnostic macros are part of the build, so they are part of the key.
+    key = (variant, device.index, profiling_enabled(), experiment_defines())
     if key not in _KERNELS:
         _KERNELS[key] = _Kernel(variant, device)
     return _KERNELS[key]

@@ -184,8 +184,9 @@ struct Deadline {
 };
 
 // The same wait without the call to fail(): false once p.timeout_ns has passed, and the
-// caller reports it outside its loop.  Hot loops use it because a call inside the loop
-// keeps the loop's values (WGMMA descriptors, stage counters) out of uniform registers.
+// caller reports it outside its loop, so the consumer's K loop holds no call (a call there
+// makes ptxas keep the loop's values live across it; a noreturn fail() instead made it cap
+// the kernel's registers and spill, docs/PERF_NOTES.md entry 14).
 __device__ __forceinline__ bool mbar_wait_or_timeout(const Params& p, uint64_t* bar, uint32_t parity) {
     if (ptx::mbar_try_wait(bar, parity))
         return true;

@@ -50,8 +50,8 @@ __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint3
     const uint32_t local = t - first * num_n;
     tile.n = local / num_units;
     const uint32_t block_in_expert = (local % num_units) * kClusterM + cluster_rank;
-    // Without clusters every unit is one existing block (known at compile time, which keeps
-    // the consumer's loop counters warp-uniform for the compiler).
+    // Without clusters every unit is one existing block (known at compile time: the
+    // consumer's skip path for missing blocks compiles away).
     tile.valid = kClusterM == 1 || block_in_expert < s.block_start[tile.expert + 1] - s.block_start[tile.expert];
     tile.block = s.block_start[tile.expert] + block_in_expert;
     return tile;
@@ -357,8 +357,8 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
             return (it / kNumStages) & 1;
         MEGAMOE_PROF(if (prof) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
-        // Shuffled so the compiler sees a warp-uniform tile id: the K loop's counters and the
-        // WGMMA descriptors then live in uniform registers.
+        // Shuffled so the compiler sees a warp-uniform tile id (it still keeps the K loop's
+        // counters in regular registers: docs/PERF_NOTES.md entry 24).
         const uint32_t t = __shfl_sync(0xffffffffu, ss.stage_tile[it % kNumStages], 0);
         if (t == kNoMoreTiles)
             break;

@@ -145,8 +145,8 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
     } else {
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         ptx::named_bar_sync(kBarSchedule, kNumThreads);
-        // The shuffle tells the compiler the warpgroup index is warp-uniform, so the WGMMA
-        // descriptors are computed in uniform registers (no per-WGMMA R2UR moves).
+        // Shuffled so the compiler knows the warpgroup index is warp-uniform.  (The WGMMA
+        // descriptors still move through R2UR: see docs/PERF_NOTES.md entries 14 and 24.)
         consumer_role(p, ss, __shfl_sync(0xffffffffu, warp / 4 - 1, 0), threadIdx.x - 128);
     }
 }

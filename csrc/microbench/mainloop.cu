@@ -39,7 +39,10 @@
 #include <string>
 #include <vector>
 
+#include "../megamoe/ptx.cuh"
 #include "wgmma_ops.cuh"
+
+namespace ptx = megamoe::ptx;
 
 #define CHECK(x)                                                                                    \
     do {                                                                                            \
@@ -67,55 +70,25 @@ struct Smem {
     volatile uint32_t consumers_done;
 };
 
-__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t n) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
-}
+// The mbarrier, TMA and WGMMA wrappers are the fused kernel's (ptx.cuh); this wait is one asm
+// loop on purpose (no divergent C++ loop around it).
 __device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
     asm volatile(
-        "{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}\n" ::"r"(saddr(b)),
+        "{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}\n" ::"r"(ptx::smem_addr(b)),
         "r"(parity)
         : "memory");
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     saddr(dst)),
-                 "l"(src), "r"(bytes), "r"(saddr(bar))
+                     ptx::smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(ptx::smem_addr(bar))
                  : "memory");
-}
-__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0, int32_t c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-            saddr(dst)),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1)
-        : "memory");
-}
-__device__ __forceinline__ uint64_t desc_sw128(const void* p) {
-    const uint64_t addr = saddr(p);
-    return ((addr & 0x3FFFFull) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
     #pragma unroll
     for (int i = 0; i < N; ++i)
-        asm volatile("" : "+f"(r[i])::"memory");
-}
-__device__ __forceinline__ void fence_regs_u(uint32_t (&r)[4]) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        asm volatile("" : "+r"(r[i])::"memory");
+        ptx::warpgroup_fence_operand(r[i]);
 }
 
 // A fragments (RS) of k step ks for this warp's 16 rows, from the 128B-swizzled A tile.
@@ -124,10 +97,20 @@ __device__ __forceinline__ void load_a_frag(const uint8_t* a_tile, uint32_t warp
     const uint32_t i = lane / 8, j = lane % 8;
     const uint32_t row = warp_row0 + (i % 2) * 8 + j;
     const uint32_t chunk = 2 * ks + i / 2;
-    const uint32_t addr = saddr(a_tile) + row * 128 + ((chunk ^ (row % 8)) * 16);
+    const uint32_t addr = ptx::smem_addr(a_tile) + row * 128 + ((chunk ^ (row % 8)) * 16);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                  : "r"(addr));
+}
+
+// A tile boundary of the halves modes: both warpgroups meet (like the L1 epilogue's barrier)
+// and spend `spin` cycles on epilogue work before the next tile's first K block.
+__device__ __forceinline__ void tile_boundary(bool barrier, uint32_t spin) {
+    if (barrier)
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+    const unsigned long long e0 = clock64();
+    while (clock64() - e0 < spin) {
+    }
 }
 
 template <int N>
@@ -152,10 +135,10 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x == 0) {
         ss.consumers_done = 0;
         for (uint32_t s = 0; s < kStages; ++s) {
-            mbar_init(&ss.full[s], 1);
-            mbar_init(&ss.empty[s], 8);
+            ptx::mbar_init(&ss.full[s], 1);
+            ptx::mbar_init(&ss.empty[s], 8);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        ptx::fence_mbarrier_init();
     }
     for (uint32_t i = threadIdx.x; i < kStages * 128; i += blockDim.x)
         (&ss.sfa[0][0])[i] = 1.0f + 1e-3f * (i % 7);
@@ -163,11 +146,11 @@ __global__ void __launch_bounds__(384, 1)
         reinterpret_cast<uint32_t*>(&ss.a[0][0])[i] =
             random ? (((i + blockIdx.x * 7919u) * 2654435761u) >> 3) & 0x77777777u  // random finite e4m3 bytes
                    : 0x38383838u ^ (i * 2654435761u & 0x03030303u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    ptx::fence_proxy_async_shared();
     __syncthreads();
 
     if (warp < 4) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+        ptx::setmaxnreg_dec<56>();
         if (warp == 0 && lane == 0) {
             for (uint32_t kb = 0; kb < num_kb; ++kb) {
                 const uint32_t s = kb % kStages;
@@ -179,13 +162,13 @@ __global__ void __launch_bounds__(384, 1)
                     // buffer, each sequence shared by 4 CTAs.
                     const uint32_t rb = ((blockIdx.x / 16) * 7 + kb / 56) % tma_a_blocks;
                     const uint32_t bt = ((blockIdx.x / 4) * 97 + kb) % tma_b_stages;
-                    mbar_expect(&ss.full[s], kABytes + kBBytes + 512);
-                    tma_2d(ss.a[s], &tmap_a, &ss.full[s], (kb % 56) * 128, rb * 128);
-                    tma_2d(ss.b[s], &tmap_b, &ss.full[s], 0, bt * (kBBytes / 128));
+                    ptx::mbar_arrive_expect_tx(&ss.full[s], kABytes + kBBytes + 512);
+                    ptx::tma_load_2d(ss.a[s], &tmap_a, &ss.full[s], (kb % 56) * 128, rb * 128);
+                    ptx::tma_load_2d(ss.b[s], &tmap_b, &ss.full[s], 0, bt * (kBBytes / 128));
                     bulk_load(ss.sfa[s], src, 512, &ss.full[s]);
                 } else if (load) {
                     const uint8_t* from = src + static_cast<uint64_t>((blockIdx.x * 7 + kb) % src_stages) * (kABytes + kBBytesMax);
-                    mbar_expect(&ss.full[s], kABytes + kBBytes + 512);
+                    ptx::mbar_arrive_expect_tx(&ss.full[s], kABytes + kBBytes + 512);
                     bulk_load(ss.a[s], from, kABytes, &ss.full[s]);
                     // B either from the L2-resident buffer, or streamed: every group of b_group
                     // CTAs reads its own sequence once (like b_group M blocks sharing an expert)
@@ -195,7 +178,7 @@ __global__ void __launch_bounds__(384, 1)
                     bulk_load(ss.b[s], b_from, kBBytes, &ss.full[s]);
                     bulk_load(ss.sfa[s], reinterpret_cast<const float*>(from), 512, &ss.full[s]);
                 } else {
-                    mbar_arrive(&ss.full[s]);
+                    ptx::mbar_arrive(&ss.full[s]);
                 }
             }
         } else if (warp > 0 && copy_src != nullptr) {
@@ -216,7 +199,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+    ptx::setmaxnreg_inc<224>();
     const uint32_t wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0);
     const uint32_t wt = threadIdx.x % 128, wwarp = wt / 32;
     const uint32_t r0 = 64 * wg + wwarp * 16 + lane / 4;
@@ -234,7 +217,7 @@ __global__ void __launch_bounds__(384, 1)
             const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
             mbar_wait(&ss.full[s], (kb / kStages) & 1);
             const float sa0 = ss.sfa[s][r0] , sa1 = ss.sfa[s][r0 + 8];
-            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
             uint32_t afr[4][4];
             if constexpr (kMode == kRsHalves) {
                 #pragma unroll
@@ -243,9 +226,9 @@ __global__ void __launch_bounds__(384, 1)
             }
             #pragma unroll
             for (uint32_t h = 0; h < 2; ++h) {
-                const uint64_t db = desc_sw128(ss.b[s] + h * 128 * 128);
+                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
                 fence_regs(part);
-                wg_fence();
+                ptx::wgmma_fence();
                 #pragma unroll
                 for (uint32_t k = 0; k < 4; ++k) {
                     if constexpr (kMode == kRsHalves)
@@ -253,23 +236,15 @@ __global__ void __launch_bounds__(384, 1)
                     else
                         wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
                 }
-                wg_commit();
-                wg_wait<0>();
+                ptx::wgmma_commit();
+                ptx::wgmma_wait<0>();
                 fence_regs(part);
                 if (h == 1 && lane == 0)
-                    mbar_arrive(&ss.empty[s]);
+                    ptx::mbar_arrive(&ss.empty[s]);
                 promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
             }
-            if (tile_kb != 0 && (kb + 1) % tile_kb == 0) {
-                // A tile boundary: both warpgroups meet (like the L1 epilogue's barrier) and
-                // spend epi_cycles on epilogue work before the next tile's first K block.
-                if (tile_barrier)
-                    asm volatile("bar.sync 1, 256;" ::: "memory");
-                const unsigned long long e0 = clock64();
-                const uint32_t spin = epi_cycles + (wg == 1 ? stagger : 0);
-                while (clock64() - e0 < spin) {
-                }
-            }
+            if (tile_kb != 0 && (kb + 1) % tile_kb == 0)
+                tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
         }
     } else if constexpr (kMode == kHalvesLookahead) {
         float part[64];
@@ -278,32 +253,26 @@ __global__ void __launch_bounds__(384, 1)
             const uint32_t s = kb % kStages;
             const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
             const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
             #pragma unroll
             for (uint32_t h = 0; h < 2; ++h) {
-                const uint64_t db = desc_sw128(ss.b[s] + h * 128 * 128);
+                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
                 fence_regs(part);
-                wg_fence();
+                ptx::wgmma_fence();
                 #pragma unroll
                 for (uint32_t k = 0; k < 4; ++k)
                     wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
-                wg_commit();
+                ptx::wgmma_commit();
                 if (h == 1 && kb + 1 < num_kb)
                     mbar_wait(&ss.full[(kb + 1) % kStages], ((kb + 1) / kStages) & 1);
-                wg_wait<0>();
+                ptx::wgmma_wait<0>();
                 fence_regs(part);
                 if (h == 1 && lane == 0)
-                    mbar_arrive(&ss.empty[s]);
+                    ptx::mbar_arrive(&ss.empty[s]);
                 promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
             }
-            if (tile_kb != 0 && (kb + 1) % tile_kb == 0) {
-                if (tile_barrier)
-                    asm volatile("bar.sync 1, 256;" ::: "memory");
-                const unsigned long long e0 = clock64();
-                const uint32_t spin = epi_cycles + (wg == 1 ? stagger : 0);
-                while (clock64() - e0 < spin) {
-                }
-            }
+            if (tile_kb != 0 && (kb + 1) % tile_kb == 0)
+                tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
         }
     } else if constexpr (kMode == kNoPromo128 || kMode == kNoPromo256) {
         // Accumulators straight in the WGMMA registers; stage kb is released once block kb+1's
@@ -311,30 +280,30 @@ __global__ void __launch_bounds__(384, 1)
         for (uint32_t kb = 0; kb < num_kb; ++kb) {
             const uint32_t s = kb % kStages;
             mbar_wait(&ss.full[s], (kb / kStages) & 1);
-            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
+            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
             fence_regs(acc);
-            wg_fence();
+            ptx::wgmma_fence();
             if constexpr (kMode == kNoPromo256) {
-                const uint64_t db = desc_sw128(ss.b[s]);
+                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s]);
                 #pragma unroll
                 for (uint32_t k = 0; k < 4; ++k)
                     wgmma_ss_m64n256k32(acc, da + 2 * k, db + 2 * k, 1);
             } else {
                 #pragma unroll
                 for (uint32_t h = 0; h < 2; ++h) {
-                    const uint64_t db = desc_sw128(ss.b[s] + h * 128 * 128);
+                    const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
                     #pragma unroll
                     for (uint32_t k = 0; k < 4; ++k)
                         wgmma_ss_m64n128k32(*reinterpret_cast<float(*)[64]>(acc + 64 * h), da + 2 * k, db + 2 * k, 1);
                 }
             }
-            wg_commit();
-            wg_wait<1>();
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<1>();
             fence_regs(acc);
             if (kb > 0 && lane == 0)
-                mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+                ptx::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
         }
-        wg_wait<0>();
+        ptx::wgmma_wait<0>();
         fence_regs(acc);
     } else if constexpr (kMode == kQuarters || kMode == kRsQuarters) {
         // Quarter q of block kb goes into partial q % 2; after issuing quarter q > 0, wait<1>
@@ -349,13 +318,13 @@ __global__ void __launch_bounds__(384, 1)
             const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
             mbar_wait(&ss.full[s], (kb / kStages) & 1);
             const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-            const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
-            wg_wait<0>();
+            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
+            ptx::wgmma_wait<0>();
             fence_regs(p1);
             if (kb > 0) {
                 promote(acc + 96, p1, ps0, ps1);
                 if (lane == 0)
-                    mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+                    ptx::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
             }
             if constexpr (kMode == kRsQuarters) {
                 #pragma unroll
@@ -364,11 +333,11 @@ __global__ void __launch_bounds__(384, 1)
             }
             #pragma unroll
             for (uint32_t q = 0; q < 4; ++q) {
-                const uint64_t db = desc_sw128(ss.b[s] + q * 64 * 128);
+                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + q * 64 * 128);
                 float(&cur)[32] = (q % 2) ? p1 : p0;
                 float(&prev)[32] = (q % 2) ? p0 : p1;
                 fence_regs(cur);
-                wg_fence();
+                ptx::wgmma_fence();
                 #pragma unroll
                 for (uint32_t k = 0; k < 4; ++k) {
                     if constexpr (kMode == kRsQuarters)
@@ -376,17 +345,17 @@ __global__ void __launch_bounds__(384, 1)
                     else
                         wgmma_ss_m64n64k32(cur, da + 2 * k, db + 2 * k, k > 0);
                 }
-                wg_commit();
+                ptx::wgmma_commit();
                 if (q == 0)
                     continue;
-                wg_wait<1>();
+                ptx::wgmma_wait<1>();
                 fence_regs(prev);
                 promote(acc + 32 * (q - 1), prev, sa0 * (q - 1 < 2 ? sb0 : sb1), sa1 * (q - 1 < 2 ? sb0 : sb1));
             }
             ps0 = sa0 * sb1;
             ps1 = sa1 * sb1;
         }
-        wg_wait<0>();
+        ptx::wgmma_wait<0>();
         fence_regs(p1);
         promote(acc + 96, p1, ps0, ps1);
     } else if constexpr (kMode == kN128Db) {
@@ -400,32 +369,32 @@ __global__ void __launch_bounds__(384, 1)
                 const float sb0 = __ldg(sfb + (kk % 64) * 2);
                 mbar_wait(&ss.full[s], (kk / kStages) & 1);
                 const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-                const uint64_t da = desc_sw128(ss.a[s] + 64 * wg * 128);
-                const uint64_t db = desc_sw128(ss.b[s]);
+                const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
+                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s]);
                 float(&cur)[64] = u ? p1 : p0;
                 float(&prev)[64] = u ? p0 : p1;
                 fence_regs(cur);
-                wg_fence();
+                ptx::wgmma_fence();
                 #pragma unroll
                 for (uint32_t k = 0; k < 4; ++k)
                     wgmma_ss_m64n128k32(cur, da + 2 * k, db + 2 * k, k > 0);
-                wg_commit();
-                wg_wait<1>();
+                ptx::wgmma_commit();
+                ptx::wgmma_wait<1>();
                 fence_regs(prev);
                 if (u == 1) {
                     promote(acc, prev, ps0, ps1);
                     if (lane == 0)
-                        mbar_arrive(&ss.empty[(kk - 1) % kStages]);
+                        ptx::mbar_arrive(&ss.empty[(kk - 1) % kStages]);
                 }
                 ps0 = sa0 * sb0;
                 ps1 = sa1 * sb0;
             }
             // Nothing in flight across the back edge (ptxas would serialize the WGMMAs).
-            wg_wait<0>();
+            ptx::wgmma_wait<0>();
             fence_regs(p1);
             promote(acc, p1, ps0, ps1);
             if (lane == 0)
-                mbar_arrive(&ss.empty[(kb + 1) % kStages]);
+                ptx::mbar_arrive(&ss.empty[(kb + 1) % kStages]);
         }
     }
     const unsigned long long t1 = clock64();
