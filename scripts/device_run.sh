@@ -44,6 +44,16 @@ case "$MODE" in
     run mainloop 300 /tmp/mainloop "$@"
     run mainloop_noload 300 /tmp/mainloop --no-load "$@"
     ;;
+  microsweep)  # the main-loop microbenchmark under each operand source, one GPU, one build
+    NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+    run mainloop_build 300 "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/mainloop csrc/microbench/mainloop.cu
+    i=0
+    for opts in "" "--random" "--tma2d" "--tma2d --random" "--tma2d --random --copy-mib 64" \
+                "--tma2d --random --tile-kb 56 2000"; do
+      i=$((i + 1))
+      run "microsweep_$i" 120 /tmp/mainloop $opts ${MICROSWEEP_MODES:-halves nopromo128 quarters}
+    done
+    ;;
   ab)  # A/B of a kernel change on one GPU: AB_PATCH (a diff from the base tree to this one) is
        # reverse-applied to a copy; both trees are timed alternately, after this tree's quick tier
     export MEGAMOE_GPU_QUICK=1

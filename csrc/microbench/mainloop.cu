@@ -410,6 +410,13 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 static CUtensorMap g_tmap_a, g_tmap_b;
+
+// Fills n bytes with the microbenchmark's operand pattern: random finite e4m3 bytes or a constant.
+__global__ void fill_operands(uint32_t* p, uint64_t words, bool random) {
+    for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < words;
+         i += static_cast<uint64_t>(gridDim.x) * blockDim.x)
+        p[i] = random ? static_cast<uint32_t>(((i * 2654435761ull) >> 3) & 0x77777777u) : 0x38383838u;
+}
 static uint32_t g_tma_a_blocks = 0, g_tma_b_stages = 0;
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -560,8 +567,9 @@ int main(int argc, char** argv) {
         void *pool, *weights;
         CHECK(cudaMalloc(&pool, pool_rows * pool_cols));
         CHECK(cudaMalloc(&weights, b_tiles * 256 * 128));
-        CHECK(cudaMemset(pool, 0x38, pool_rows * pool_cols));
-        CHECK(cudaMemset(weights, 0x38, b_tiles * 256 * 128));
+        fill_operands<<<1024, 256>>>(static_cast<uint32_t*>(pool), pool_rows * pool_cols / 4, random);
+        fill_operands<<<1024, 256>>>(static_cast<uint32_t*>(weights), b_tiles * 256 * 128 / 4, random);
+        CHECK(cudaGetLastError());
         g_tmap_a = make_tmap(pool, pool_cols, pool_rows, 128);
         g_tmap_b = make_tmap(weights, 128, b_tiles * 256, 256);
         g_tma_a_blocks = static_cast<uint32_t>(pool_rows / 128);
