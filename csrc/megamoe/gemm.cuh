@@ -378,7 +378,9 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
             acc[i] = 0.0f;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-            const uint32_t stage = it % kNumStages;
+            // Shuffled so ptxas sees a warp-uniform stage: the WGMMA descriptors are then built
+            // in uniform registers (32 R2UR and ~50 instructions fewer per K block; notes entry 25).
+            const uint32_t stage = __shfl_sync(0xffffffffu, it, 0) % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
             MEGAMOE_PROF(if (prof && kb == 2) prof_c[11] += clock64() - prof_c[8];)
             MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
