@@ -197,11 +197,17 @@ __device__ __forceinline__ void release_stage(SharedStorage& ss, uint32_t stage)
 __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
 // What one consumer warpgroup owns inside a tile: 64 rows starting at `row_base`, and
-// kNumHalvesPerWg 128-column halves (`half(h)` is the tile half of local half h).
+// kHalves 128-column halves (`half(h)` is the tile half of local half h).  Wide (block_m 128):
+// rows 64 wg.. and both halves.  Split columns (block_m 64, or a narrow block_m 128 block,
+// one with at most 64 valid rows): rows 0-63 and half wg, so a block that is mostly padding
+// costs half the WGMMAs (notes entry 27).
+template <bool kNarrow>
 struct WgSlice {
+    static constexpr bool kSplitColumns = kBlockM == 64 || kNarrow;
+    static constexpr uint32_t kHalves = kSplitColumns ? 1 : 2;
     uint32_t wg;
-    __device__ __forceinline__ uint32_t row_base() const { return kBlockM == 128 ? 64 * wg : 0; }
-    __device__ __forceinline__ uint32_t half(uint32_t h) const { return kBlockM == 128 ? h : wg; }
+    __device__ __forceinline__ uint32_t row_base() const { return kSplitColumns ? 0 : 64 * wg; }
+    __device__ __forceinline__ uint32_t half(uint32_t h) const { return kSplitColumns ? wg : h; }
 };
 
 // L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
@@ -210,8 +216,9 @@ struct WgSlice {
 // The act of channel 8 g + 2 q + e (lane q of a quad) is stored at pool column 16 q + 2 g + e
 // of the half, so each lane stores its 16 values of a row as one 16-byte vector; W2's K
 // columns carry the same permutation (transform_weights_for_mega_moe).
+template <typename Slice>
 __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
-                                            float (&acc)[64 * kNumHalvesPerWg], WgSlice slice, uint32_t tid) {
+                                            float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
@@ -221,7 +228,7 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
     // Activations overwrite the gate slots of the accumulators.
     float amax[2] = {0.0f, 0.0f};
     #pragma unroll
-    for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+    for (uint32_t h = 0; h < Slice::kHalves; ++h) {
         #pragma unroll
         for (uint32_t g = 0; g < 8; ++g) {
             #pragma unroll
@@ -241,7 +248,7 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
         amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
         amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
     }
-    if constexpr (kBlockM == 64) {
+    if constexpr (Slice::kSplitColumns) {
         // The row's other 64 channels live in the other warpgroup.
         if (q == 0) {
             ss.row_amax[slice.wg][r0] = amax[0];
@@ -262,7 +269,7 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
     for (uint32_t r = 0; r < 2; ++r) {
         uint8_t* dst = pool + static_cast<uint64_t>(m0 + r0 + 8 * r) * kIntermediate + tile.n * 128 + 16 * q;
         #pragma unroll
-        for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
             uint32_t packed[4];
             #pragma unroll
             for (uint32_t w = 0; w < 4; ++w) {
@@ -278,7 +285,7 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
             *reinterpret_cast<uint4*>(dst + slice.half(h) * 64) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
     }
-    if ((kBlockM == 128 || slice.wg == 0) && q == 0) {
+    if ((!Slice::kSplitColumns || slice.wg == 0) && q == 0) {
         float* pool_sf = at<float>(p, p.off_l2_pool_sf) + static_cast<uint64_t>(tile.n) * p.num_max_pool_tokens + m0;
         pool_sf[r0] = sf[0];
         pool_sf[r0 + 8] = sf[1];
@@ -299,8 +306,9 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
 // transform_weights_for_mega_moe): accumulator column 32 jj + 8 t + 2 q + e holds output
 // column 32 jj + 8 q + 2 t + e, so lane q of a quad owns 8 consecutive output columns
 // (16 bytes) per 32-column group and writes them with one vector store; no staging.
+template <typename Slice>
 __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
-                                            const float (&acc)[64 * kNumHalvesPerWg], WgSlice slice, uint32_t tid) {
+                                            const float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
@@ -318,7 +326,7 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
                              tile.n * kBlockN;
         dst = map_to_rank(p, dst, static_cast<uint32_t>(src.x));
         #pragma unroll
-        for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
             #pragma unroll
             for (uint32_t jj = 0; jj < 4; ++jj) {
                 uint32_t packed[4];
@@ -340,15 +348,124 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 // with the row's A scale and the half's B scale(s).  Returns kConsumerOk, or the parity of
 // a stage wait that timed out (the caller reports it: no call inside this loop).
 constexpr uint32_t kConsumerOk = 0xffffffffu;
+
+// One tile: main loop and epilogue, for the warpgroup's slice of it.
+template <bool kNarrow>
+__device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss, const Tile& tile, uint32_t wg,
+                                             uint32_t tid, uint32_t& it, float (&acc)[64 * kNumHalvesPerWg],
+                                             float (&part)[64], bool prof, uint64_t* prof_c) {
+    using Slice = WgSlice<kNarrow>;
+    const Slice slice{wg};
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+    const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+    (void)prof; (void)prof_c;
+    #pragma unroll
+    for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
+        acc[i] = 0.0f;
+    for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+        // Shuffled so ptxas sees a warp-uniform stage: the WGMMA descriptors are then built
+        // in uniform registers (32 R2UR and ~50 instructions fewer per K block; notes entry 26).
+        const uint32_t stage = __shfl_sync(0xffffffffu, it, 0) % kNumStages;
+        const uint32_t phase = (it / kNumStages) & 1;
+        MEGAMOE_PROF(if (prof && kb == 2) prof_c[11] += clock64() - prof_c[8];)
+        MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
+        if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
+            return phase;
+        MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
+        const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
+        const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
+        float sfb_even[Slice::kHalves], sfb_odd[Slice::kHalves];
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+            sfb_even[h] = ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h)]);
+            sfb_odd[h] = tile.is_l2 ? sfb_even[h] : ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h) + 1]);
+        }
+        const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
+#ifdef MEGAMOE_EXP_NOPROMO  // diagnostic: no promotion, WGMMAs accumulate straight into acc (wrong results)
+        #pragma unroll
+        for (uint32_t i = 0; i < 64 * Slice::kHalves; ++i)
+            ptx::warpgroup_fence_operand(acc[i]);
+        ptx::wgmma_fence();
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
+            #pragma unroll
+            for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                ptx::wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc + 64 * h), desc_a + 2 * k,
+                                           desc_b + 2 * k, 1);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+        #pragma unroll
+        for (uint32_t i = 0; i < 64 * Slice::kHalves; ++i)
+            ptx::warpgroup_fence_operand(acc[i]);
+        if (lane == 0)
+            release_stage(ss, stage);
+        (void)sfa0; (void)sfa1; (void)sfb_even; (void)sfb_odd;
+        if (true)
+            continue;
+#endif
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                ptx::warpgroup_fence_operand(part[i]);
+            ptx::wgmma_fence();
+            #pragma unroll
+            for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                ptx::warpgroup_fence_operand(part[i]);
+            if (h == Slice::kHalves - 1 && lane == 0)
+                release_stage(ss, stage);
+
+            // Promote: acc += part * sfa(row) * sfb(column group)
+            const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_odd[h];
+            const float s10 = sfa1 * sfb_even[h], s11 = sfa1 * sfb_odd[h];
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i) {
+                const bool odd_group = ((i / 4) % 2) == 1;
+                const bool second_row = ((i / 2) % 2) == 1;
+                const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
+                acc[64 * h + i] = fmaf(part[i], scale, acc[64 * h + i]);
+            }
+        }
+    }
+    MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof) {
+        prof_c[kProfMainloop] += prof_t2 - prof_c[8];
+        if (!tile.is_l2)
+            prof_c[10] += prof_t2 - prof_c[8];
+    })
+    if (tile.is_l2)
+        epilogue_l2(p, ss, tile, acc, slice, tid);
+    else
+        epilogue_l1(p, ss, tile, acc, slice, tid);
+    MEGAMOE_PROF(if (prof && tile.is_l2) {
+        prof_c[kProfEpilogueL2] += clock64() - prof_t2;
+        prof_c[kProfTilesL2] += 1;
+    } else if (prof) {
+        prof_c[kProfEpilogueL1] += clock64() - prof_t2;
+        prof_c[kProfTilesL1] += 1;
+        MEGAMOE_PROF_ADD(kProfEpilogueL1Math, prof_c[7] - prof_t2);
+        MEGAMOE_PROF_ADD(kProfEpilogueL1Release, clock64() - prof_c[7]);
+    })
+    return kConsumerOk;
+}
+
 __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
                                               uint32_t cluster_rank) {
     const Schedule& s = ss.schedule;
-    const WgSlice slice{wg};
-    const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
-    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+    const uint32_t lane = tid % 32;
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
-    MEGAMOE_PROF(const bool prof = tid % 128 == 0; uint64_t* prof_c = ss.prof[wg];
+    bool prof = false;
+    uint64_t* prof_c = nullptr;
+    MEGAMOE_PROF(prof = tid % 128 == 0; prof_c = ss.prof[wg];
                  if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = 0;
                              prof_c[9] = clock64(); })
     while (true) {
@@ -357,15 +474,14 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
             return (it / kNumStages) & 1;
         MEGAMOE_PROF(if (prof) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
-        // Shuffled so the compiler sees a warp-uniform tile id (it still keeps the K loop's
-        // counters in regular registers: docs/PERF_NOTES.md entry 24).
+        // Shuffled so the compiler sees a warp-uniform tile id.
         const uint32_t t = __shfl_sync(0xffffffffu, ss.stage_tile[it % kNumStages], 0);
         if (t == kNoMoreTiles)
             break;
         const Tile tile = decode_tile(s, t, cluster_rank);
-        const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
         if (!tile.valid) {
             // Only this CTA's B part was needed (by the other CTAs of the cluster)
+            const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
             for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
                 if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
                     return (it / kNumStages) & 1;
@@ -374,100 +490,18 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
             }
             continue;
         }
-        #pragma unroll
-        for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
-            acc[i] = 0.0f;
-        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-            // Shuffled so ptxas sees a warp-uniform stage: the WGMMA descriptors are then built
-            // in uniform registers (32 R2UR and ~50 instructions fewer per K block; notes entry 25).
-            const uint32_t stage = __shfl_sync(0xffffffffu, it, 0) % kNumStages;
-            const uint32_t phase = (it / kNumStages) & 1;
-            MEGAMOE_PROF(if (prof && kb == 2) prof_c[11] += clock64() - prof_c[8];)
-            MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
-            if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
-                return phase;
-            MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
-            const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
-            const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
-            float sfb_even[kNumHalvesPerWg], sfb_odd[kNumHalvesPerWg];
-            #pragma unroll
-            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
-                sfb_even[h] = ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h)]);
-                sfb_odd[h] = tile.is_l2 ? sfb_even[h] : ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h) + 1]);
-            }
-            const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
-#ifdef MEGAMOE_EXP_NOPROMO  // diagnostic: no promotion, WGMMAs accumulate straight into acc (wrong results)
-            #pragma unroll
-            for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
-                ptx::warpgroup_fence_operand(acc[i]);
-            ptx::wgmma_fence();
-            #pragma unroll
-            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
-                const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
-                #pragma unroll
-                for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
-                    ptx::wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc + 64 * h), desc_a + 2 * k,
-                                               desc_b + 2 * k, 1);
-            }
-            ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();
-            #pragma unroll
-            for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
-                ptx::warpgroup_fence_operand(acc[i]);
-            if (lane == 0)
-                release_stage(ss, stage);
-            (void)sfa0; (void)sfa1; (void)sfb_even; (void)sfb_odd;
-            if (true)
-                continue;
-#endif
-            #pragma unroll
-            for (uint32_t h = 0; h < kNumHalvesPerWg; ++h) {
-                const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
-                #pragma unroll
-                for (uint32_t i = 0; i < 64; ++i)
-                    ptx::warpgroup_fence_operand(part[i]);
-                ptx::wgmma_fence();
-                #pragma unroll
-                for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
-                    ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
-                ptx::wgmma_commit();
-                ptx::wgmma_wait<0>();
-                #pragma unroll
-                for (uint32_t i = 0; i < 64; ++i)
-                    ptx::warpgroup_fence_operand(part[i]);
-                if (h == kNumHalvesPerWg - 1 && lane == 0)
-                    release_stage(ss, stage);
-
-                // Promote: acc += part * sfa(row) * sfb(column group)
-                const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_odd[h];
-                const float s10 = sfa1 * sfb_even[h], s11 = sfa1 * sfb_odd[h];
-                #pragma unroll
-                for (uint32_t i = 0; i < 64; ++i) {
-                    const bool odd_group = ((i / 4) % 2) == 1;
-                    const bool second_row = ((i / 2) % 2) == 1;
-                    const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
-                    acc[64 * h + i] = fmaf(part[i], scale, acc[64 * h + i]);
-                }
-            }
+        uint32_t status;
+        if constexpr (kBlockM == 128) {
+            // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
+            // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
+            const bool narrow = __shfl_sync(0xffffffffu, s.valid_rows(tile.expert, tile.block), 0) <= 64;
+            status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c)
+                            : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c);
+        } else {
+            status = run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c);
         }
-        MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof) {
-            prof_c[kProfMainloop] += prof_t2 - prof_c[8];
-            if (!tile.is_l2)
-                prof_c[10] += prof_t2 - prof_c[8];
-        })
-        if (tile.is_l2)
-            epilogue_l2(p, ss, tile, acc, slice, tid);
-        else
-            epilogue_l1(p, ss, tile, acc, slice, tid);
-        MEGAMOE_PROF(if (prof && tile.is_l2) {
-            prof_c[kProfEpilogueL2] += clock64() - prof_t2;
-            prof_c[kProfTilesL2] += 1;
-        } else if (prof) {
-            prof_c[kProfEpilogueL1] += clock64() - prof_t2;
-            prof_c[kProfTilesL1] += 1;
-            MEGAMOE_PROF_ADD(kProfEpilogueL1Math, prof_c[7] - prof_t2);
-            MEGAMOE_PROF_ADD(kProfEpilogueL1Release, clock64() - prof_c[7]);
-        })
+        if (status != kConsumerOk)
+            return status;
     }
     MEGAMOE_PROF(if (prof) {
         for (uint32_t i = 0; i < 7; ++i)
