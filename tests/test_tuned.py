@@ -189,6 +189,12 @@ def test_block_m_rule_picks_smallest_block_holding_expected_rows(monkeypatch):
     assert heuristics.expected_tokens_per_expert(DSV3, 8, 8) == 2
     assert heuristics.expected_tokens_per_expert(DSV3, 8, 300) == 75
     assert heuristics.expected_tokens_per_expert(DSV3, 8, 8192) == 2048
+    # The smallest block only while half of it holds the rows (2 ranks: 1024 tokens -> 64 rows,
+    # 512 -> 32, 520 -> 32.5): block_m 128 runs its narrow blocks as two 64-row halves.
+    assert heuristics.default_config(DSV3, 2, 512, "H200")["block_m"] == 64
+    assert heuristics.default_config(DSV3, 2, 520, "H200")["block_m"] == 128
+    assert heuristics.default_config(DSV3, 2, 1024, "H200")["block_m"] == 128
+    assert heuristics.default_config(DSV3, 2, 8192, "H200")["block_m"] == 128
     monkeypatch.setattr(heuristics, "SUPPORTED_BLOCK_M", (64, 128, 256))
     assert heuristics.default_config(DSV3, 8, 8, "H200")["block_m"] == 64
     assert heuristics.default_config(DSV3, 8, 300, "H200")["block_m"] == 128
