@@ -36,6 +36,7 @@ def expected_tokens_per_expert(shape: MoEShape, world_size: int, num_tokens_per_
 def _block_m(expected_rows: float) -> int:
     """The smallest block only while half of it holds an expert's expected rows; otherwise the
     smallest larger block that holds them, else the largest.
+
     Regimes: decode-sized calls (deepseek-v3 on 8 ranks x 8 tokens: 2 rows per expert) waste the
     least padding with the smallest block; from about half a small block per expert on, block_m
     128 wins, because a block_m 128 block with at most 64 valid rows runs as two 64-row column

@@ -409,14 +409,14 @@ __global__ void __launch_bounds__(384, 1)
         atomicAdd(cycles, t1 - t0);
 }
 
-static CUtensorMap g_tmap_a, g_tmap_b;
-
-// Fills n bytes with the microbenchmark's operand pattern: random finite e4m3 bytes or a constant.
+// Fills `words` 32-bit words with the operand pattern: random finite e4m3 bytes or a constant.
 __global__ void fill_operands(uint32_t* p, uint64_t words, bool random) {
     for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < words;
          i += static_cast<uint64_t>(gridDim.x) * blockDim.x)
         p[i] = random ? static_cast<uint32_t>(((i * 2654435761ull) >> 3) & 0x77777777u) : 0x38383838u;
 }
+
+static CUtensorMap g_tmap_a, g_tmap_b;
 static uint32_t g_tma_a_blocks = 0, g_tma_b_stages = 0;
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
