@@ -110,6 +110,8 @@ class SymmBuffer:
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if self.device.type != "cuda":
             raise MegaMoEError(f"SymmBuffer needs a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         nbytes = self.layout.total_bytes
         self.handle = None
         if self.world_size == 1:
@@ -336,23 +338,23 @@ def timeout_ns() -> int:
     return int(seconds * 1e9)
 
 
-@dataclass
 class _LaunchPlan:
     """Everything about a launch that does not change between calls with the same buffer,
-    weights and config: checked once, so a call only checks ``y`` and packs two words."""
+    weights and config: checked once, with the parameter block already in the driver's launch
+    buffer, so a call only checks ``y``, writes two words and makes one driver call."""
 
-    kernel: _Kernel
-    grid: Tuple[int, int, int]
-    cluster: Tuple[int, int, int]
-    params: bytearray
-    y_offset: int
-    num_tokens_offset: int
+    def __init__(self, kernel: "_Kernel", grid: Tuple[int, int, int], cluster: Tuple[int, int, int], params: bytes,
+                 y_offset: int, num_tokens_offset: int):
+        self.kernel = kernel
+        self.prepared = kernel.function.prepare(grid, (NUM_THREADS, 1, 1), kernel.smem_bytes, len(params), cluster)
+        self.prepared.params[:] = params
+        self.y_offset = y_offset
+        self.num_tokens_offset = num_tokens_offset
 
     def launch(self, y: torch.Tensor, num_tokens: int, stream: int) -> None:
-        struct.pack_into("<Q", self.params, self.y_offset, y.data_ptr())
-        struct.pack_into("<Q", self.params, self.num_tokens_offset, num_tokens)
-        self.kernel.function.launch(self.grid, (NUM_THREADS, 1, 1), self.kernel.smem_bytes, stream, bytes(self.params),
-                                    cluster=self.cluster)
+        struct.pack_into("<Q", self.prepared.params, self.y_offset, y.data_ptr())
+        struct.pack_into("<Q", self.prepared.params, self.num_tokens_offset, num_tokens)
+        self.prepared.launch(stream)
 
 
 def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> _LaunchPlan:
@@ -380,7 +382,7 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
         "timeout_ns": timeout_ns(),
         "diag": buf.diag.data_ptr(),
     }
-    params = bytearray(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m, config.cluster_m), buf.buffer.data_ptr(),
+    params = bytes(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m, config.cluster_m), buf.buffer.data_ptr(),
                                    buf.peer_deltas, buf.layout, tail))
     # A persistent grid: every CTA must be resident at once (the kernel has grid barriers).
     num_sms = config.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
@@ -431,8 +433,19 @@ def mega_moe(
             f"mega_moe: num_tokens={num_tokens} exceeds the buffer's num_max_tokens_per_rank={cfg.num_max_tokens_per_rank}"
         )
     _check_tensor("y", y, torch.bfloat16, (num_tokens, cfg.shape.hidden), buf.device)
-    plan.launch(y, num_tokens, torch.cuda.current_stream(buf.device).cuda_stream)
+    plan.launch(y, num_tokens, _current_stream(buf.device))
     return y
+
+
+# The current stream's handle without building a Stream object (a few microseconds per call on
+# the eager path); CPU builds of torch lack it, and fall back to the public call.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device: torch.device) -> int:
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def synchronize(buf: SymmBuffer) -> None:

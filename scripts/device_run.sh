@@ -5,7 +5,7 @@
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 # mainloop [args]: the main-loop microbenchmark (microsweep: under each operand source); ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
-# AB_SKIP_TESTS); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B|PULL1 (timing only)
+# AB_SKIP_TESTS, AB_NPROC=N: an expert-parallel layer over N GPUs, AB_ARGS: more profile_fused.py options); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B|PULL1 (timing only)
 set -uo pipefail
 MODE=${1:-quick}
 shift || true
@@ -61,9 +61,11 @@ case "$MODE" in
     tar --exclude=./.git -cf - . | tar -xf - -C "$BASE"
     (cd "$BASE" && patch -s -R -p1 < "$PWD/${AB_PATCH:?set AB_PATCH}") || { echo "patch -R failed"; exit 1; }
     [ -z "${AB_SKIP_TESTS:-}" ] && run gpu_ws1 300 python3 -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
+    # AB_NPROC=N times an expert-parallel layer over N GPUs (torchrun) instead of one GPU
+    PY=(python3); [ "${AB_NPROC:-1}" -gt 1 ] && PY=(torchrun --standalone --nproc-per-node "$AB_NPROC")
     for r in 1 2; do
-      run timing_base$r 300 env PYTHONPATH="$BASE" MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-base python3 "$BASE/scripts/profile_fused.py" --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4}
-      run timing_new$r 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4}
+      run timing_base$r 300 env PYTHONPATH="$BASE" MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-base "${PY[@]}" "$BASE/scripts/profile_fused.py" --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+      run timing_new$r 300 "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
     done
     ;;
   bench)

@@ -35,6 +35,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cycle counters (a separate, slower build)")
+    ap.add_argument("--b2b", action="store_true",
+                    help="also the kernel's device time per call with 20 calls back to back (no host gaps or barriers)")
+    ap.add_argument("--host", action="store_true",
+                    help="also the host's cost per call (no device syncs in between): the kernel launch, the eager "
+                         "layer call (input copies + launch) and a graph replay")
     args = ap.parse_args()
     if args.profile:
         os.environ["MEGAMOE_PROFILE"] = "1"
@@ -100,12 +105,32 @@ def main() -> None:
                     into.append(start.elapsed_time(end) * 1e3)
             us = slowest(statistics.median(times))
             layer_us = slowest(statistics.median(layer_times))
+            if args.b2b:
+                b2b = []
+                for _ in range(args.iters):
+                    if world > 1:
+                        dist.barrier()
+                    synchronize(runner.buf)
+                    mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(20):
+                        mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+                    end.record()
+                    synchronize(runner.buf)
+                    b2b.append(start.elapsed_time(end) * 1e3 / 20)
+                b2b_us = slowest(statistics.median(b2b))
             tflops = pairs * shape.flops_per_pair() / us / 1e6
             gbps = weight_bytes / us / 1e3
             say(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {config.get('cluster_m', 1):>3} {us:>10.1f} "
                 f"{tflops:>8.1f} {gbps:>12.1f}   (floor {weight_bytes / spec.hbm_bytes_per_s * 1e6:.0f} us HBM, "
                 f"{pairs * shape.flops_per_pair() / spec.fp8_flops * 1e6:.0f} us FP8)"
-                + (f"   layer {layer_us:.1f}" if world > 1 else ""))
+                + (f"   layer {layer_us:.1f}" if world > 1 else "")
+                + (f"   back to back {b2b_us:.1f}" if args.b2b else ""))
+            if args.host:
+                host = host_costs(runner, problem, world)
+                say("    host us per call (median of 5 x 20 calls, device queue not drained): "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
             if args.profile:
                 if world > 1:
                     dist.barrier()
@@ -118,6 +143,62 @@ def main() -> None:
                                       kb_l1=shape.hidden // 128, kb_l2=shape.intermediate // 128)
             del runner
             torch.cuda.empty_cache()
+
+
+def host_costs(runner, problem, world: int) -> dict:
+    """Host microseconds per call of each piece of the eager layer call and of a graph replay.
+
+    Every rank runs the same calls in the same order (the kernel is collective), 20 at a time
+    without syncing, and the device is drained between batches so its queue never fills."""
+    import time
+
+    buf, n = runner.buf, problem.num_tokens
+
+    def copies():
+        if n:
+            buf.x[:n].copy_(problem.x)
+            buf.x_sf[:n].copy_(problem.x_sf)
+            buf.topk_idx[:n].copy_(problem.topk_idx)
+            buf.topk_weights[:n].copy_(problem.topk_weights)
+
+    def launch():
+        mega_moe(runner.y, runner.l1, runner.l2, buf, config=runner.kernel_cfg)
+
+    graph_runner = FusedBackend(graph=True).prepare(problem, dist.group.WORLD if world > 1 else None,
+                                                     runner.kernel_cfg.to_dict())
+    graph_runner()  # captures
+    synchronize(buf)
+    pieces = {"copies": copies, "launch": launch, "eager call": runner, "graph replay": graph_runner}
+    out = {}
+    for name, fn in pieces.items():
+        samples = []
+        for _ in range(5):
+            if world > 1:
+                dist.barrier()
+            synchronize(buf)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            samples.append((time.perf_counter() - t0) / 20 * 1e6)
+            synchronize(buf)
+        out[name] = statistics.median(samples)
+    # The device's own time per call when the host keeps ahead: 20 launches back to back.
+    samples = []
+    for _ in range(5):
+        if world > 1:
+            dist.barrier()
+        synchronize(buf)
+        launch()  # queued first, so the timed ones never wait for the host
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            launch()
+        end.record()
+        synchronize(buf)
+        samples.append(start.elapsed_time(end) * 1e3 / 20)
+    out["device per call, back to back"] = statistics.median(samples)
+    del graph_runner
+    return out
 
 
 def profile_call(runner) -> dict:

@@ -327,6 +327,25 @@ class CudaFunction:
             self._params_checked = True
         return self._params_bytes
 
+    def prepare(
+        self,
+        grid: Sequence[int],
+        block: Sequence[int],
+        smem_bytes: int,
+        params_bytes: int,
+        cluster: Sequence[int] = (1, 1, 1),
+    ) -> "PreparedLaunch":
+        """Check a launch shape once and keep everything a launch of it needs; the caller writes
+        the parameter bytes into ``PreparedLaunch.params`` and calls ``launch(stream)``, which
+        costs one driver call (the per-call work of a layer launched eagerly, every call)."""
+        grid3, block3, cluster3 = _dims(grid, "grid"), _dims(block, "block"), _dims(cluster, "cluster")
+        if any(g % c for g, c in zip(grid3, cluster3)):
+            raise ValueError(f"kernel '{self.name}': grid {grid3} is not a multiple of cluster {cluster3}")
+        expected = self.params_bytes()
+        if expected is not None and params_bytes != expected:
+            raise ValueError(f"kernel '{self.name}' takes a {expected}-byte parameter block, got {params_bytes} bytes")
+        return PreparedLaunch(self, grid3, block3, int(smem_bytes), int(params_bytes), cluster3)
+
     def launch(
         self,
         grid: Sequence[int],
@@ -342,34 +361,54 @@ class CudaFunction:
         into a 64-byte aligned buffer (the struct may hold CUtensorMaps) and the driver copies
         them again at launch, so the caller may reuse them at once.
         """
-        grid3, block3, cluster3 = _dims(grid, "grid"), _dims(block, "block"), _dims(cluster, "cluster")
-        if any(g % c for g, c in zip(grid3, cluster3)):
-            raise ValueError(f"kernel '{self.name}': grid {grid3} is not a multiple of cluster {cluster3}")
         params = bytes(params)
-        expected = self.params_bytes()
-        if expected is not None and len(params) != expected:
-            raise ValueError(f"kernel '{self.name}' takes a {expected}-byte parameter block, got {len(params)} bytes")
-        self.module.make_current()
-        storage = ctypes.create_string_buffer(len(params) + PARAMS_ALIGN_BYTES)
-        address = (ctypes.addressof(storage) + PARAMS_ALIGN_BYTES - 1) & ~(PARAMS_ALIGN_BYTES - 1)
-        ctypes.memmove(address, params, len(params))
-        pointer_array = (ctypes.c_void_p * 1)(address)
-        kernel_params = ctypes.cast(pointer_array, _c_void_pp) if params else None
-        stream_handle = ctypes.c_void_p(int(stream))
-        if cluster3 == (1, 1, 1):
-            result = _function("cuLaunchKernel")(
-                ctypes.c_void_p(self.handle), *grid3, *block3, int(smem_bytes), stream_handle, kernel_params, None
-            )
-            call = "cuLaunchKernel"
+        prepared = self.prepare(grid, block, smem_bytes, len(params), cluster)
+        prepared.params[:] = params
+        prepared.launch(stream)
+
+
+class PreparedLaunch:
+    """One launch shape of a function with its parameter block in 64-byte aligned host memory.
+
+    ``params`` is a writable view of that block; the driver copies it when ``launch`` is called,
+    so it may be rewritten as soon as ``launch`` returns (not while another thread launches).
+    """
+
+    def __init__(self, function: CudaFunction, grid: Tuple[int, int, int], block: Tuple[int, int, int],
+                 smem_bytes: int, params_bytes: int, cluster: Tuple[int, int, int]):
+        self.function = function
+        self.grid, self.block, self.cluster, self.smem_bytes = grid, block, cluster, smem_bytes
+        self._storage = ctypes.create_string_buffer(params_bytes + PARAMS_ALIGN_BYTES)
+        address = (ctypes.addressof(self._storage) + PARAMS_ALIGN_BYTES - 1) & ~(PARAMS_ALIGN_BYTES - 1)
+        self.params = memoryview((ctypes.c_char * params_bytes).from_address(address)).cast("B") if params_bytes \
+            else memoryview(bytearray())
+        self._pointers = (ctypes.c_void_p * 1)(address)
+        self._kernel_params = ctypes.cast(self._pointers, _c_void_pp) if params_bytes else None
+        self._handle = ctypes.c_void_p(function.handle)
+        if cluster == (1, 1, 1):
+            self._call = "cuLaunchKernel"
+            self._config = None
         else:
-            attribute = CUlaunchAttribute()
-            attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster3
-            config = CUlaunchConfig(*grid3, *block3, int(smem_bytes), stream_handle, ctypes.pointer(attribute), 1)
-            result = _function("cuLaunchKernelEx")(ctypes.byref(config), ctypes.c_void_p(self.handle), kernel_params, None)
-            call = "cuLaunchKernelEx"
+            self._call = "cuLaunchKernelEx"
+            self._attribute = CUlaunchAttribute()
+            self._attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            dim = self._attribute.value.clusterDim
+            dim.x, dim.y, dim.z = cluster
+            self._config = CUlaunchConfig(*grid, *block, smem_bytes, None, ctypes.pointer(self._attribute), 1)
+        self._driver = _function(self._call)
+
+    def launch(self, stream: int) -> None:
+        """Launch on ``stream`` (a CUstream handle value) with the current contents of ``params``."""
+        self.function.module.make_current()
+        if self._config is None:
+            result = self._driver(self._handle, *self.grid, *self.block, self.smem_bytes, stream,
+                                  self._kernel_params, None)
+        else:
+            self._config.hStream = stream
+            result = self._driver(ctypes.byref(self._config), self._handle, self._kernel_params, None)
         if result != CUDA_SUCCESS:
-            check(result, f"{call}({self.name}, grid={grid3}, block={block3}, smem={smem_bytes}, cluster={cluster3})")
+            check(result, f"{self._call}({self.function.name}, grid={self.grid}, block={self.block}, "
+                          f"smem={self.smem_bytes}, cluster={self.cluster})")
 
 
 class CudaModule:
