@@ -2,7 +2,7 @@
 
 ```
 buf = SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate)
-buf.x[:n], buf.x_sf[:n], buf.topk_idx[:n], buf.topk_weights[:n] = ...   # fill before each call
+buf.fill(x, x_sf, topk_idx, topk_weights)   # before each call (or write into buf.x[:n], ... directly)
 l1, l2 = transform_weights_for_mega_moe((w1, w1_sf), (w2, w2_sf))    # once
 mega_moe(y, l1, l2, buf)                                               # y: [n, hidden] bf16
 ```
@@ -78,7 +78,8 @@ def _group_info(group) -> Tuple[int, int]:
 class SymmBuffer:
     """One rank's symmetric buffer (identical layout on every rank of ``group``).
 
-    Views the caller fills before each call: ``x`` (fp8 [T, hidden]), ``x_sf`` (f32
+    Views the caller fills before each call (``fill`` copies all four in one launch, or the
+    producing ops write into them directly): ``x`` (fp8 [T, hidden]), ``x_sf`` (f32
     [T, hidden/128]), ``topk_idx`` (int64 [T, topk], -1 = no expert), ``topk_weights``
     (f32 [T, topk]).  Keep the object alive while kernels use it.
     """
@@ -136,6 +137,11 @@ class SymmBuffer:
         self.x_sf = self.view("x_sf")
         self.topk_idx = self.view("topk_idx")
         self.topk_weights = self.view("topk_weights")
+
+    def fill(self, x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
+        """Copy one call's inputs into the views (one device launch for all four); returns the token count."""
+        return copy_inputs(self.config, self.device, (self.x, self.x_sf, self.topk_idx, self.topk_weights),
+                           (x, x_sf, topk_idx, topk_weights))
 
     def view(self, name: str) -> torch.Tensor:
         seg = self.layout.segment(name)
@@ -306,6 +312,41 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequenc
         raise MegaMoEError(f"mega_moe: {name} must be on {device}, got {t.device}")
     if not t.is_contiguous():
         raise MegaMoEError(f"mega_moe: {name} must be contiguous")
+
+
+_INPUTS = ("x", "x_sf", "topk_idx", "topk_weights")
+
+
+def copy_inputs(cfg: BufferConfig, device: torch.device, views: Sequence[torch.Tensor],
+                inputs: Sequence[torch.Tensor]) -> int:
+    """Check one call's ``(x, x_sf, topk_idx, topk_weights)`` against the buffer's config and copy
+    them into the buffer's views in one launch (a multi-tensor copy of their bytes; eager
+    callers pay one launch's host cost instead of four).  Returns the token count."""
+    x = inputs[0]
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise MegaMoEError(f"mega_moe: x must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(x, 'shape', x)!r}")
+    n = x.shape[0]
+    if n > cfg.num_max_tokens_per_rank:
+        raise MegaMoEError(
+            f"mega_moe: num_tokens={n} exceeds the buffer's num_max_tokens_per_rank={cfg.num_max_tokens_per_rank}"
+        )
+    s = cfg.shape
+    expected = ((torch.float8_e4m3fn, (n, s.hidden)), (torch.float32, (n, s.hidden // 128)),
+                (torch.int64, (n, s.num_topk)), (torch.float32, (n, s.num_topk)))
+    for name, t, (dtype, shape) in zip(_INPUTS, inputs, expected):
+        _check_tensor(name, t, dtype, shape, device)
+    if n:
+        dst = [v[:n].view(torch.uint8) for v in views]
+        src = [t.view(torch.uint8) for t in inputs]
+        if _FOREACH_COPY is not None:
+            _FOREACH_COPY(dst, src)
+        else:
+            for d, t in zip(dst, src):
+                d.copy_(t)
+    return n
+
+
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def _tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m: int, cluster_m: int) -> Dict[str, bytes]:
@@ -534,11 +575,7 @@ class _FusedRunner:
 
     def _eager(self) -> torch.Tensor:
         p, buf, n = self.problem, self.buf, self.problem.num_tokens
-        if n:
-            buf.x[:n].copy_(p.x)
-            buf.x_sf[:n].copy_(p.x_sf)
-            buf.topk_idx[:n].copy_(p.topk_idx)
-            buf.topk_weights[:n].copy_(p.topk_weights)
+        buf.fill(p.x, p.x_sf, p.topk_idx, p.topk_weights)
         return mega_moe(self.y, self.l1, self.l2, buf, config=self.kernel_cfg)
 
 

@@ -152,14 +152,15 @@ def host_costs(runner, problem, world: int) -> dict:
     without syncing, and the device is drained between batches so its queue never fills."""
     import time
 
-    buf, n = runner.buf, problem.num_tokens
+    buf = runner.buf
 
     def copies():
-        if n:
-            buf.x[:n].copy_(problem.x)
-            buf.x_sf[:n].copy_(problem.x_sf)
-            buf.topk_idx[:n].copy_(problem.topk_idx)
-            buf.topk_weights[:n].copy_(problem.topk_weights)
+        if hasattr(buf, "fill"):
+            buf.fill(problem.x, problem.x_sf, problem.topk_idx, problem.topk_weights)
+        elif problem.num_tokens:  # a tree from before SymmBuffer.fill (A/B runs)
+            n = problem.num_tokens
+            for name in ("x", "x_sf", "topk_idx", "topk_weights"):
+                getattr(buf, name)[:n].copy_(getattr(problem, name))
 
     def launch():
         mega_moe(runner.y, runner.l1, runner.l2, buf, config=runner.kernel_cfg)
@@ -168,7 +169,7 @@ def host_costs(runner, problem, world: int) -> dict:
                                                      runner.kernel_cfg.to_dict())
     graph_runner()  # captures
     synchronize(buf)
-    pieces = {"copies": copies, "launch": launch, "eager call": runner, "graph replay": graph_runner}
+    pieces = {"fill (input copy)": copies, "launch": launch, "eager call": runner, "graph replay": graph_runner}
     out = {}
     for name, fn in pieces.items():
         samples = []

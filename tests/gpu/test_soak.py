@@ -78,12 +78,8 @@ class Soak:
         self.calls = 0
 
     def launch(self, index):
-        problem, buf, n = self.problems[index], self.buf, self.problems[index].num_tokens
-        if n:
-            buf.x[:n].copy_(problem.x)
-            buf.x_sf[:n].copy_(problem.x_sf)
-            buf.topk_idx[:n].copy_(problem.topk_idx)
-            buf.topk_weights[:n].copy_(problem.topk_weights)
+        problem, buf = self.problems[index], self.buf
+        buf.fill(problem.x, problem.x_sf, problem.topk_idx, problem.topk_weights)
         mega_moe(self.ys[index], self.l1, self.l2, buf, config=self.config)
 
     def call(self, index, graph=False):
