@@ -73,3 +73,23 @@ def test_x_must_be_two_dimensional():
     src[0] = src[0].reshape(-1)
     with pytest.raises(MegaMoEError, match=r"x must be a 2-D \[num_tokens, 512\] tensor"):
         copy_inputs(CFG, CPU, views(), src)
+
+
+def test_a_large_x_is_copied_on_its_own(monkeypatch):
+    """Above the multi-tensor threshold x goes through a plain copy, the rest through one
+    multi-tensor launch; both paths write the same bytes."""
+    from megamoe_cli import fused
+
+    calls = []
+    real = fused._FOREACH_COPY
+    monkeypatch.setattr(fused, "_FOREACH_COPY", lambda d, s: (calls.append(len(d)), real(d, s)))
+    n = 5
+    monkeypatch.setattr(fused, "_FOREACH_MAX_BYTES", n * SHAPE.hidden - 1)
+    dst, src = views(), inputs(n, seed=9)
+    assert copy_inputs(CFG, CPU, dst, src) == n
+    assert calls == [3]
+    for d, s in zip(dst, src):
+        assert torch.equal(d[:n].view(torch.uint8), s.view(torch.uint8))
+    monkeypatch.setattr(fused, "_FOREACH_MAX_BYTES", n * SHAPE.hidden)
+    assert copy_inputs(CFG, CPU, views(), src) == n
+    assert calls == [3, 4]
