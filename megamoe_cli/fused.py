@@ -78,8 +78,8 @@ def _group_info(group) -> Tuple[int, int]:
 class SymmBuffer:
     """One rank's symmetric buffer (identical layout on every rank of ``group``).
 
-    Views the caller fills before each call (``fill`` copies all four in one launch, or the
-    producing ops write into them directly): ``x`` (fp8 [T, hidden]), ``x_sf`` (f32
+    Views the caller fills before each call (``fill`` copies all four, in one launch up to
+    16 MiB of x, or the producing ops write into them directly): ``x`` (fp8 [T, hidden]), ``x_sf`` (f32
     [T, hidden/128]), ``topk_idx`` (int64 [T, topk], -1 = no expert), ``topk_weights``
     (f32 [T, topk]).  Keep the object alive while kernels use it.
     """
@@ -139,7 +139,8 @@ class SymmBuffer:
         self.topk_weights = self.view("topk_weights")
 
     def fill(self, x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
-        """Copy one call's inputs into the views (one device launch for all four); returns the token count."""
+        """Copy one call's inputs into the views (one device launch; two when x is over 16 MiB);
+        returns the token count."""
         return copy_inputs(self.config, self.device, (self.x, self.x_sf, self.topk_idx, self.topk_weights),
                            (x, x_sf, topk_idx, topk_weights))
 
@@ -320,8 +321,9 @@ _INPUTS = ("x", "x_sf", "topk_idx", "topk_weights")
 def copy_inputs(cfg: BufferConfig, device: torch.device, views: Sequence[torch.Tensor],
                 inputs: Sequence[torch.Tensor]) -> int:
     """Check one call's ``(x, x_sf, topk_idx, topk_weights)`` against the buffer's config and copy
-    them into the buffer's views in one launch (a multi-tensor copy of their bytes; eager
-    callers pay one launch's host cost instead of four).  Returns the token count."""
+    them into the buffer's views: one multi-tensor copy of their bytes (eager callers pay one
+    launch's host cost instead of four), or a plain copy of a large x plus one multi-tensor copy
+    of the rest.  Nothing is copied unless all four are right.  Returns the token count."""
     x = inputs[0]
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise MegaMoEError(f"mega_moe: x must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(x, 'shape', x)!r}")
