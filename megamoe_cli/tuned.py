@@ -23,12 +23,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Iterable, Mapping, Optional
 
 from .errors import MegaMoEError
+from .files import atomic_write
 from .gpus import gpu_spec
 from .layout import MoEShape
 
@@ -174,25 +174,6 @@ def merge_and_save(entries: Iterable[dict], path: Optional[os.PathLike] = None) 
     with open(lock_path, "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         merged = {**load(path), **new}
-        _atomic_write(path, {"version": FORMAT_VERSION, "entries": dict(sorted(merged.items()))})
+        data = {"version": FORMAT_VERSION, "entries": dict(sorted(merged.items()))}
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
     return path
-
-
-def _atomic_write(path: Path, data: dict) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
-            json.dump(data, tmp, indent=2)
-            tmp.write("\n")
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

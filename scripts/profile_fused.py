@@ -154,13 +154,8 @@ def host_costs(runner, problem, world: int) -> dict:
 
     buf = runner.buf
 
-    def copies():
-        if hasattr(buf, "fill"):
-            buf.fill(problem.x, problem.x_sf, problem.topk_idx, problem.topk_weights)
-        elif problem.num_tokens:  # a tree from before SymmBuffer.fill (A/B runs)
-            n = problem.num_tokens
-            for name in ("x", "x_sf", "topk_idx", "topk_weights"):
-                getattr(buf, name)[:n].copy_(getattr(problem, name))
+    def fill():
+        buf.fill(problem.x, problem.x_sf, problem.topk_idx, problem.topk_weights)
 
     def launch():
         mega_moe(runner.y, runner.l1, runner.l2, buf, config=runner.kernel_cfg)
@@ -169,7 +164,7 @@ def host_costs(runner, problem, world: int) -> dict:
                                                      runner.kernel_cfg.to_dict())
     graph_runner()  # captures
     synchronize(buf)
-    pieces = {"fill (input copy)": copies, "launch": launch, "eager call": runner, "graph replay": graph_runner}
+    pieces = {"fill (input copy)": fill, "launch": launch, "eager call": runner, "graph replay": graph_runner}
     out = {}
     for name, fn in pieces.items():
         samples = []
@@ -183,21 +178,6 @@ def host_costs(runner, problem, world: int) -> dict:
             samples.append((time.perf_counter() - t0) / 20 * 1e6)
             synchronize(buf)
         out[name] = statistics.median(samples)
-    # The device's own time per call when the host keeps ahead: 20 launches back to back.
-    samples = []
-    for _ in range(5):
-        if world > 1:
-            dist.barrier()
-        synchronize(buf)
-        launch()  # queued first, so the timed ones never wait for the host
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            launch()
-        end.record()
-        synchronize(buf)
-        samples.append(start.elapsed_time(end) * 1e3 / 20)
-    out["device per call, back to back"] = statistics.median(samples)
     del graph_runner
     return out
 

@@ -9,6 +9,7 @@ import pytest
 from megamoe_cli.bench import results
 from megamoe_cli.bench.results import COLUMNS, append_rows, make_row, read_results, summary
 from megamoe_cli.bench.sweep import load_sweep_text
+from megamoe_cli.files import atomic_write
 from megamoe_cli.errors import MegaMoEError
 
 SWEEP = """\
@@ -163,7 +164,7 @@ def test_atomic_rewrite_leaves_the_old_file_when_writing_fails(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        results._atomic_write(path, write_then_fail)
+        atomic_write(path, write_then_fail)
     assert path.read_bytes() == b"old contents"
     assert [p.name for p in tmp_path.iterdir()] == ["r.parquet"]
 

@@ -34,11 +34,11 @@ import io
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from ..backends import BASELINE_BACKEND
+from ..files import atomic_write
 from ..errors import MegaMoEError
 from .envinfo import ENV_COLUMNS, utc_now
 
@@ -283,20 +283,6 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def append_rows(path: Union[str, Path], rows: Sequence[Row]) -> None:
     """Append ``rows`` to the results file at ``path``, creating it if needed."""
     path = Path(path)
@@ -350,7 +336,7 @@ def _rewrite_csv_with_union(path: Path, header: List[str], rows: Sequence[Row]) 
             for row in rows:
                 writer.writerow([_csv_cell(row.get(c)) for c in columns])
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
 
 
 def _append_parquet(path: Path, rows: Sequence[Row], exists: bool) -> None:
@@ -358,7 +344,7 @@ def _append_parquet(path: Path, rows: Sequence[Row], exists: bool) -> None:
 
     new = _typed(pd.DataFrame([{k: r.get(k) for k in COLUMNS} for r in rows], columns=list(COLUMNS)))
     frame = pd.concat([pd.read_parquet(path), new], ignore_index=True) if exists else new
-    _atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
+    atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
 
 
 def _typed(frame):

@@ -467,15 +467,19 @@ def load_sweep_text(text: str, source: str = "<sweep>") -> Sweep:
     return validate_sweep(data, source, lines)
 
 
-def load_sweep(path: Union[str, Path]) -> Sweep:
+def read_sweep_file(path: Union[str, Path], what: str = "sweep file") -> str:
+    """The text of a sweep (or tune sweep) file; a missing or unreadable file is a clear error."""
     path = Path(path)
     try:
-        text = path.read_text()
+        return path.read_text()
     except FileNotFoundError:
-        raise MegaMoEError(f"{path}: sweep file not found") from None
+        raise MegaMoEError(f"{path}: {what} not found") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise MegaMoEError(f"{path}: cannot read sweep file: {exc}") from None
-    return load_sweep_text(text, str(path))
+        raise MegaMoEError(f"{path}: cannot read {what}: {exc}") from None
+
+
+def load_sweep(path: Union[str, Path]) -> Sweep:
+    return load_sweep_text(read_sweep_file(path), str(path))
 
 
 def sweep_from_flags(

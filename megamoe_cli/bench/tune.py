@@ -81,7 +81,7 @@ from ..gpus import GpuSpec, gpu_spec
 from ..heuristics import default_config
 from ..kernel_source import SUPPORTED_BLOCK_M, SUPPORTED_CLUSTER_M, SUPPORTED_STAGES, KernelConfig, Variant
 from ..layout import BufferConfig, MoEShape
-from .sweep import SWEEP_KEYS, Point, _Checker, _compose, validate_sweep
+from .sweep import SWEEP_KEYS, Point, _Checker, _compose, read_sweep_file, validate_sweep
 
 REL_ERR_LIMIT = 2e-2
 ALL_SMS = "all"
@@ -324,14 +324,7 @@ def load_tune_sweep_text(text: str, source: str = "<tune sweep>") -> TuneSweep:
 
 
 def load_tune_sweep(path: Union[str, Path]) -> TuneSweep:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise MegaMoEError(f"{path}: tune sweep file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MegaMoEError(f"{path}: cannot read tune sweep file: {exc}") from None
-    return load_tune_sweep_text(text, str(path))
+    return load_tune_sweep_text(read_sweep_file(path, "tune sweep file"), str(path))
 
 
 def with_grid(sweep: TuneSweep, **spans: Optional[Sequence[Union[int, str]]]) -> TuneSweep:
