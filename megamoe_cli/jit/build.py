@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import MegaMoEError, MegaMoETimeout
+from ..files import atomic_write
 
 ENV_CACHE_DIR = "MEGAMOE_CACHE_DIR"
 ENV_NVCC = "MEGAMOE_NVCC"
@@ -294,16 +295,7 @@ def _nvcc_argv(nvcc: str, kernel: KernelSource, source_path: Path, output_path: 
 
 
 def _write_atomic(path: Path, data: str) -> None:
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=path.name + _TEMP_MARK)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-        os.chmod(temp, 0o644)
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
+    atomic_write(path, lambda temp: Path(temp).write_text(data), prefix=path.name + _TEMP_MARK)
 
 
 def _is_cubin(path: Path) -> bool:
