@@ -5,19 +5,34 @@
 namespace megamoe {
 
 // Warp per token; each lane owns 8 consecutive channels per chunk and sums kUnroll chunks
-// at once, so kUnroll * top-k 16-byte loads are in flight per lane (the reduce streams the
-// whole combine buffer once and only the consumer warps run it).
+// at once.  Every valid slot's loads of an iteration are issued before any is summed, so
+// kUnroll * top-k 16-byte loads are in flight per lane (the reduce streams the whole
+// combine buffer once and only the consumer warps run it; with the sums between the slots'
+// loads only kUnroll were in flight: notes entry 36).  An invalid slot loads nothing and
+// adds +0, which leaves the FP32 sum (started at +0) exactly as the valid slots make it.
 __device__ __forceinline__ void combine_reduce(const Params& p, uint32_t global_warp, uint32_t num_warps, uint32_t lane) {
     const int64_t* topk_idx = at<int64_t>(p, p.off_topk_idx);
     const __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
     __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(p.y);
     constexpr uint32_t kChunks = kHidden / 8;
-    constexpr uint32_t kUnroll = 4;
+    constexpr uint32_t kUnroll = kNumTopk <= 8 ? 4 : (kNumTopk <= 16 ? 2 : 1);
     for (uint32_t t = global_warp; t < p.num_tokens; t += num_warps) {
         const bool valid = lane < kNumTopk && topk_idx[static_cast<uint64_t>(t) * kNumTopk + lane] >= 0;
         const uint32_t mask = __ballot_sync(0xffffffffu, valid);
         const __nv_bfloat16* src = combine + static_cast<uint64_t>(t) * kHidden;
         for (uint32_t c0 = lane; c0 < kChunks; c0 += 32 * kUnroll) {
+            int4 raw[kNumTopk][kUnroll];
+            #pragma unroll
+            for (uint32_t k = 0; k < kNumTopk; ++k) {
+                #pragma unroll
+                for (uint32_t u = 0; u < kUnroll; ++u) {
+                    const uint32_t c = c0 + 32 * u;
+                    raw[k][u] = ((mask >> k) & 1) && c < kChunks
+                                    ? __ldcg(reinterpret_cast<const int4*>(
+                                          src + static_cast<uint64_t>(k) * kNumMaxTokens * kHidden + c * 8))
+                                    : make_int4(0, 0, 0, 0);
+                }
+            }
             float sum[kUnroll][8];
             #pragma unroll
             for (uint32_t u = 0; u < kUnroll; ++u)
@@ -26,19 +41,9 @@ __device__ __forceinline__ void combine_reduce(const Params& p, uint32_t global_
                     sum[u][i] = 0.0f;
             #pragma unroll
             for (uint32_t k = 0; k < kNumTopk; ++k) {
-                if (!((mask >> k) & 1))
-                    continue;
-                int4 raw[kUnroll];
                 #pragma unroll
                 for (uint32_t u = 0; u < kUnroll; ++u) {
-                    const uint32_t c = c0 + 32 * u;
-                    raw[u] = c < kChunks ? __ldcg(reinterpret_cast<const int4*>(
-                                               src + static_cast<uint64_t>(k) * kNumMaxTokens * kHidden + c * 8))
-                                         : make_int4(0, 0, 0, 0);
-                }
-                #pragma unroll
-                for (uint32_t u = 0; u < kUnroll; ++u) {
-                    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+                    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw[k][u]);
                     #pragma unroll
                     for (uint32_t i = 0; i < 4; ++i) {
                         const float2 f = __bfloat1622float2(v[i]);

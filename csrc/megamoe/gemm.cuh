@@ -17,7 +17,8 @@ struct SharedStorage {
     float row_amax[2][64];
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
-    uint32_t stage_tile[kNumStages];
+    // The stage's tile as the producer decoded it (pack_tile), or kNoMoreTiles in .x
+    alignas(16) uint4 stage_tile[kNumStages];
     Schedule schedule;
     MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
 };
@@ -28,7 +29,29 @@ struct Tile {
     uint32_t expert;
     uint32_t block;
     uint32_t n;
+    uint32_t rows;  // valid rows of the block (0 when !valid)
 };
+
+// The producer decodes each tile once and hands it to the consumers with every stage, so
+// a tile start costs the consumers one shared load instead of a binary search over the
+// experts and two divisions on the path to the first WGMMA (notes entry 35).
+static_assert(kNumExpertsPerRank <= 0xffffu && kNumL2NTiles <= 0xffffu && kNumL1NTiles <= 0xffffu &&
+                  kBlockM <= 0xffffu,
+              "pack_tile keeps the expert, the N tile and the valid rows in 16 bits each");
+__device__ __forceinline__ uint4 pack_tile(uint32_t t, const Tile& tile) {
+    return make_uint4(t, tile.expert | (tile.n << 16), tile.block,
+                      tile.rows | (tile.is_l2 ? 1u << 16 : 0u) | (tile.valid ? 1u << 17 : 0u));
+}
+__device__ __forceinline__ Tile unpack_tile(const uint4& v) {
+    Tile tile;
+    tile.expert = v.y & 0xffffu;
+    tile.n = v.y >> 16;
+    tile.block = v.z;
+    tile.rows = v.w & 0xffffu;
+    tile.is_l2 = (v.w >> 16) & 1u;
+    tile.valid = (v.w >> 17) & 1u;
+    return tile;
+}
 
 // A unit is kClusterM consecutive M blocks of one expert; a tile is (layer, unit, N tile).
 __device__ __forceinline__ uint32_t num_tiles(const Schedule& s) {
@@ -54,6 +77,7 @@ __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint3
     // consumer's skip path for missing blocks compiles away).
     tile.valid = kClusterM == 1 || block_in_expert < s.block_start[tile.expert + 1] - s.block_start[tile.expert];
     tile.block = s.block_start[tile.expert] + block_in_expert;
+    tile.rows = tile.valid ? s.valid_rows(tile.expert, tile.block) : 0;
     return tile;
 }
 
@@ -102,15 +126,16 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             MEGAMOE_PROF_ADD(kProfProducerTotal, clock64() - ss.prof[2][2]);
             const uint32_t stage = it % kNumStages;
             mbar_wait(p, &ss.empty[stage], ((it / kNumStages) & 1) ^ 1);
-            ss.stage_tile[stage] = kNoMoreTiles;
+            ss.stage_tile[stage] = make_uint4(kNoMoreTiles, 0, 0, 0);
             ptx::mbar_arrive(&ss.full[stage]);
             return;
         }
         const Tile tile = decode_tile(s, t, cluster_rank);
+        const uint4 packed = pack_tile(t, tile);
         if (tile.valid) {
             // Wait until the tile's A rows landed
             const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
-            const uint32_t target = tile.is_l2 ? kNumL1NTiles : s.valid_rows(tile.expert, tile.block);
+            const uint32_t target = tile.is_l2 ? kNumL1NTiles : tile.rows;
             MEGAMOE_PROF(const uint64_t prof_t0 = clock64();)
             uint32_t now = ptx::ld_acquire_gpu_u32(counter);
             MEGAMOE_PROF(prof_arrival += clock64() - prof_t0;)
@@ -148,7 +173,7 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             MEGAMOE_PROF(const uint64_t prof_t2 = clock64();)
             mbar_wait(p, &ss.empty[stage], phase ^ 1);
             MEGAMOE_PROF(prof_empty += clock64() - prof_t2;)
-            ss.stage_tile[stage] = t;
+            ss.stage_tile[stage] = packed;
             if (tile.valid) {
                 if (tile.is_l2) {
                     ptx::cp_async_ca<4>(&ss.sfb[stage][0], sfb_half0 + kb);
@@ -210,6 +235,46 @@ struct WgSlice {
     __device__ __forceinline__ uint32_t half(uint32_t h) const { return kSplitColumns ? wg : h; }
 };
 
+// What the epilogues read from global memory, loaded when a tile starts so that the load
+// latency is not paid between the last promotion and the stores: an L1 tile's routing
+// weights of the thread's two rows, an L2 tile's pool metadata of them ({rank, token, slot}:
+// where each row goes; only read in the epilogue, so the loop does not wait for it).
+struct EpilogueInputs {
+    float weight[2];
+    int4 src[2];
+};
+
+template <typename Slice>
+__device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, const Tile& tile, Slice slice,
+                                                                uint32_t tid) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+    const uint32_t m0 = tile.block * kBlockM;
+    EpilogueInputs in;
+    if (!tile.is_l2) {
+        const float* pool_weights = at<float>(p, p.off_l1_pool_weights);
+        in.weight[0] = __ldcg(pool_weights + m0 + r0);
+        in.weight[1] = __ldcg(pool_weights + m0 + r0 + 8);
+        in.src[0] = in.src[1] = make_int4(0, 0, 0, 0);
+    } else {
+        in.weight[0] = in.weight[1] = 0.0f;
+        const int4* meta = at<int4>(p, p.off_pool_src_meta);
+        #pragma unroll
+        for (uint32_t r = 0; r < 2; ++r) {
+            // Three scalar loads, not one vector: a dead fourth word's register would be
+            // reused by the K loop, whose write would then wait for the load to land.
+            in.src[r] = make_int4(0, 0, 0, 0);
+            if (r0 + 8 * r < tile.rows) {
+                const int* row_meta = reinterpret_cast<const int*>(meta + m0 + r0 + 8 * r);
+                in.src[r].x = __ldcg(row_meta);
+                in.src[r].y = __ldcg(row_meta + 1);
+                in.src[r].z = __ldcg(row_meta + 2);
+            }
+        }
+    }
+    return in;
+}
+
 // L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
 // per row per 128 channels.  Tile half c holds channels [64 c, 64 c + 64) of the tile's
 // 128; inside a half, accumulator column 16 g + i is gate channel 8 g + i, 16 g + 8 + i up.
@@ -218,12 +283,12 @@ struct WgSlice {
 // columns carry the same permutation (transform_weights_for_mega_moe).
 template <typename Slice>
 __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
-                                            float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid) {
+                                            float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
+                                            const EpilogueInputs& in) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
-    const float* pool_weights = at<float>(p, p.off_l1_pool_weights);
-    const float weight[2] = {__ldcg(pool_weights + m0 + r0), __ldcg(pool_weights + m0 + r0 + 8)};
+    const float (&weight)[2] = in.weight;
 
     // Activations overwrite the gate slots of the accumulators.
     float amax[2] = {0.0f, 0.0f};
@@ -308,19 +373,17 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
 // (16 bytes) per 32-column group and writes them with one vector store; no staging.
 template <typename Slice>
 __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
-                                            const float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid) {
+                                            const float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
+                                            const EpilogueInputs& in) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
-    const uint32_t m0 = tile.block * kBlockM;
-    const uint32_t valid = ss.schedule.valid_rows(tile.expert, tile.block);
-    const int4* meta = at<int4>(p, p.off_pool_src_meta);
+    (void)ss;
     __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
     #pragma unroll
     for (uint32_t r = 0; r < 2; ++r) {
-        const uint32_t row = r0 + 8 * r;
-        if (row >= valid)
+        if (r0 + 8 * r >= tile.rows)
             continue;
-        const int4 src = __ldcg(meta + m0 + row);
+        const int4 src = in.src[r];
         __nv_bfloat16* dst = combine +
                              (static_cast<uint64_t>(src.z) * kNumMaxTokens + static_cast<uint32_t>(src.y)) * kHidden +
                              tile.n * kBlockN;
@@ -360,6 +423,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
     (void)prof; (void)prof_c;
+    const EpilogueInputs in = load_epilogue_inputs(p, tile, slice, tid);
     #pragma unroll
     for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
         acc[i] = 0.0f;
@@ -442,9 +506,9 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
             prof_c[10] += prof_t2 - prof_c[8];
     })
     if (tile.is_l2)
-        epilogue_l2(p, ss, tile, acc, slice, tid);
+        epilogue_l2(p, ss, tile, acc, slice, tid, in);
     else
-        epilogue_l1(p, ss, tile, acc, slice, tid);
+        epilogue_l1(p, ss, tile, acc, slice, tid, in);
     MEGAMOE_PROF(if (prof && tile.is_l2) {
         prof_c[kProfEpilogueL2] += clock64() - prof_t2;
         prof_c[kProfTilesL2] += 1;
@@ -457,9 +521,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     return kConsumerOk;
 }
 
-__device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
-                                              uint32_t cluster_rank) {
-    const Schedule& s = ss.schedule;
+__device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
     const uint32_t lane = tid % 32;
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
@@ -474,11 +536,15 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
             return (it / kNumStages) & 1;
         MEGAMOE_PROF(if (prof) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
-        // Shuffled so the compiler sees a warp-uniform tile id.
-        const uint32_t t = __shfl_sync(0xffffffffu, ss.stage_tile[it % kNumStages], 0);
-        if (t == kNoMoreTiles)
+        // Shuffled so the compiler sees a warp-uniform tile.
+        uint4 packed = ptx::ld_shared_v4_u32(&ss.stage_tile[it % kNumStages]);
+        packed.x = __shfl_sync(0xffffffffu, packed.x, 0);
+        if (packed.x == kNoMoreTiles)
             break;
-        const Tile tile = decode_tile(s, t, cluster_rank);
+        packed.y = __shfl_sync(0xffffffffu, packed.y, 0);
+        packed.z = __shfl_sync(0xffffffffu, packed.z, 0);
+        packed.w = __shfl_sync(0xffffffffu, packed.w, 0);
+        const Tile tile = unpack_tile(packed);
         if (!tile.valid) {
             // Only this CTA's B part was needed (by the other CTAs of the cluster)
             const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
@@ -494,7 +560,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
             // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
-            const bool narrow = __shfl_sync(0xffffffffu, s.valid_rows(tile.expert, tile.block), 0) <= 64;
+            const bool narrow = tile.rows <= 64;
             status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c)
                             : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c);
         } else {

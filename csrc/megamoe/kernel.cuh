@@ -61,7 +61,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     MEGAMOE_PROF(const bool prof = tid % 128 == 0;
                  if (prof) { MEGAMOE_PROF_ADD(kProfConsumerStart, clock64() - ss.prof[2][3]);
                              MEGAMOE_PROF_ADD(kProfSamplers, 1); })
-    const uint32_t stuck = consumer_loop(p, ss, wg, tid, kClusterM == 1 ? 0 : ptx::cluster_ctarank());
+    const uint32_t stuck = consumer_loop(p, ss, wg, tid);
     if (stuck != kConsumerOk)
         fail(p, kPhasePipeline, stuck, stuck ^ 1, 0);
     MEGAMOE_PROF(if (prof) ss.prof[wg][8] = clock64();)

@@ -48,6 +48,15 @@ __device__ __forceinline__ float ld_shared_f32(const float* ptr) {
     return v;
 }
 
+__device__ __forceinline__ uint4 ld_shared_v4_u32(const uint4* ptr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(smem_addr(ptr))
+                 : "memory");
+    return v;
+}
+
 // Small asynchronous global -> shared copies (4, 8 or 16 bytes, naturally aligned) whose
 // completion an mbarrier tracks: the arrive raises the barrier's pending count until every
 // earlier cp.async of this thread has landed.
