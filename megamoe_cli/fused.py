@@ -2,10 +2,13 @@
 
 ```
 buf = SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate)
-buf.fill(x, x_sf, topk_idx, topk_weights)   # before each call (or write into buf.x[:n], ... directly)
 l1, l2 = transform_weights_for_mega_moe((w1, w1_sf), (w2, w2_sf))    # once
-mega_moe(y, l1, l2, buf)                                               # y: [n, hidden] bf16
+mega_moe(y, l1, l2, buf, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)  # y: [n, hidden] bf16
 ```
+
+The kernel copies the given inputs into the buffer as its first phase.  Inputs already in the
+buffer (``buf.fill(x, x_sf, topk_idx, topk_weights)``, or written into ``buf.x[:n]``, ... directly)
+are used when none are given.
 """
 
 from __future__ import annotations
@@ -318,12 +321,9 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequenc
 _INPUTS = ("x", "x_sf", "topk_idx", "topk_weights")
 
 
-def copy_inputs(cfg: BufferConfig, device: torch.device, views: Sequence[torch.Tensor],
-                inputs: Sequence[torch.Tensor]) -> int:
-    """Check one call's ``(x, x_sf, topk_idx, topk_weights)`` against the buffer's config and copy
-    them into the buffer's views: one multi-tensor copy of their bytes (eager callers pay one
-    launch's host cost instead of four), or a plain copy of a large x plus one multi-tensor copy
-    of the rest.  Nothing is copied unless all four are right.  Returns the token count."""
+def check_inputs(cfg: BufferConfig, device: torch.device, inputs: Sequence[torch.Tensor]) -> int:
+    """Check one call's ``(x, x_sf, topk_idx, topk_weights)`` against the buffer's config;
+    returns the token count."""
     x = inputs[0]
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise MegaMoEError(f"mega_moe: x must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(x, 'shape', x)!r}")
@@ -337,6 +337,16 @@ def copy_inputs(cfg: BufferConfig, device: torch.device, views: Sequence[torch.T
                 (torch.int64, (n, s.num_topk)), (torch.float32, (n, s.num_topk)))
     for name, t, (dtype, shape) in zip(_INPUTS, inputs, expected):
         _check_tensor(name, t, dtype, shape, device)
+    return n
+
+
+def copy_inputs(cfg: BufferConfig, device: torch.device, views: Sequence[torch.Tensor],
+                inputs: Sequence[torch.Tensor]) -> int:
+    """Check one call's ``(x, x_sf, topk_idx, topk_weights)`` against the buffer's config and copy
+    them into the buffer's views: one multi-tensor copy of their bytes (eager callers pay one
+    launch's host cost instead of four), or a plain copy of a large x plus one multi-tensor copy
+    of the rest.  Nothing is copied unless all four are right.  Returns the token count."""
+    n = check_inputs(cfg, device, inputs)
     if n:
         dst = [v[:n].view(torch.uint8) for v in views]
         src = [t.view(torch.uint8) for t in inputs]
@@ -395,17 +405,37 @@ class _LaunchPlan:
     buffer, so a call only checks ``y``, writes two words and makes one driver call."""
 
     def __init__(self, kernel: "_Kernel", grid: Tuple[int, int, int], cluster: Tuple[int, int, int], params: bytes,
-                 y_offset: int, num_tokens_offset: int):
+                 y_offset: int, num_tokens_offset: int, inputs_offset: int):
         self.kernel = kernel
         self.prepared = kernel.function.prepare(grid, (NUM_THREADS, 1, 1), kernel.smem_bytes, len(params), cluster)
         self.prepared.params[:] = params
         self.y_offset = y_offset
         self.num_tokens_offset = num_tokens_offset
+        self.inputs_offset = inputs_offset
 
-    def launch(self, y: torch.Tensor, num_tokens: int, stream: int) -> None:
+    def launch(self, y: torch.Tensor, num_tokens: int, stream: int, inputs: Tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
+        """``inputs``: addresses of x, x_sf, topk_idx, topk_weights for the kernel to copy into the
+        buffer, or zeros when they are already there."""
         struct.pack_into("<Q", self.prepared.params, self.y_offset, y.data_ptr())
         struct.pack_into("<Q", self.prepared.params, self.num_tokens_offset, num_tokens)
+        struct.pack_into("<4Q", self.prepared.params, self.inputs_offset, *inputs)
         self.prepared.launch(stream)
+
+
+def launch_tail(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights) -> Dict[str, int]:
+    """The scalar launch parameters as a plan starts them; ``y``, ``num_tokens`` and the input
+    addresses are written per call."""
+    return {
+        "w1_sf": l1.scale.data_ptr(),
+        "w2_sf": l2.scale.data_ptr(),
+        "y": 0,
+        "num_tokens": 0,
+        "rank": buf.rank,
+        "num_max_pool_tokens": buf.config.num_max_pool_tokens,
+        "timeout_ns": timeout_ns(),
+        "diag": buf.diag.data_ptr(),
+        **{f"in_{name}": 0 for name in _INPUTS},
+    }
 
 
 def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> _LaunchPlan:
@@ -423,16 +453,7 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
                   (e_local, s.hidden // 256, s.intermediate // 128, 256, 128), device)
     _check_tensor("l2 scales", l2.scale, torch.float32, (e_local, s.hidden // 128, s.intermediate // 128), device)
     kernel = get_kernel(variant, device)
-    tail = {
-        "w1_sf": l1.scale.data_ptr(),
-        "w2_sf": l2.scale.data_ptr(),
-        "y": 0,
-        "num_tokens": 0,
-        "rank": buf.rank,
-        "num_max_pool_tokens": cfg.num_max_pool_tokens,
-        "timeout_ns": timeout_ns(),
-        "diag": buf.diag.data_ptr(),
-    }
+    tail = launch_tail(buf, l1, l2)
     params = bytes(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m, config.cluster_m), buf.buffer.data_ptr(),
                                    buf.peer_deltas, buf.layout, tail))
     # A persistent grid: every CTA must be resident at once (the kernel has grid barriers).
@@ -442,8 +463,10 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
         num_sms = min(num_sms // config.cluster_m, resident) * config.cluster_m
     if num_sms <= 0:
         raise MegaMoEError(f"mega_moe: no resident grid for {variant.name} with num_sms={config.num_sms}")
+    inputs_offset = param_offset("in_x")
+    assert [param_offset(f"in_{name}") for name in _INPUTS] == [inputs_offset + 8 * i for i in range(4)]
     return _LaunchPlan(kernel, (num_sms, 1, 1), (config.cluster_m, 1, 1), params, param_offset("y"),
-                       param_offset("num_tokens"))
+                       param_offset("num_tokens"), inputs_offset)
 
 
 def mega_moe(
@@ -452,12 +475,20 @@ def mega_moe(
     l2: ExpertWeights,
     buf: SymmBuffer,
     *,
+    x: Optional[torch.Tensor] = None,
+    x_sf: Optional[torch.Tensor] = None,
+    topk_idx: Optional[torch.Tensor] = None,
+    topk_weights: Optional[torch.Tensor] = None,
     config: Optional[KernelConfig] = None,
 ) -> torch.Tensor:
     """Run the fused layer for ``y.shape[0]`` tokens (this rank's count; may differ per rank, may be 0).
 
-    Every rank of the buffer's group must call it in the same order.  Inputs are read from the
-    buffer's views; ``y`` receives the combined output.
+    Every rank of the buffer's group must call it in the same order; ``y`` receives the combined
+    output.  Inputs: ``x`` [n, hidden] FP8 e4m3, ``x_sf`` [n, hidden / 128] FP32, ``topk_idx``
+    [n, top-k] int64 (-1: no expert), ``topk_weights`` [n, top-k] FP32, all contiguous on the
+    buffer's device, given together; the kernel copies them into the buffer as its first phase
+    (a view not 16-byte aligned is copied by ``buf.fill`` first instead).  Given none, the
+    inputs already in the buffer's views are used (``buf.fill``).
     """
     if not isinstance(buf, SymmBuffer):
         raise MegaMoEError(f"mega_moe: buf must be a SymmBuffer, got {type(buf).__name__}")
@@ -484,8 +515,24 @@ def mega_moe(
             f"mega_moe: num_tokens={num_tokens} exceeds the buffer's num_max_tokens_per_rank={cfg.num_max_tokens_per_rank}"
         )
     _check_tensor("y", y, torch.bfloat16, (num_tokens, cfg.shape.hidden), buf.device)
-    plan.launch(y, num_tokens, _current_stream(buf.device))
+    given = (x, x_sf, topk_idx, topk_weights)
+    addresses = _NO_INPUTS
+    if x is not None or x_sf is not None or topk_idx is not None or topk_weights is not None:
+        missing = [name for name, t in zip(_INPUTS, given) if t is None]
+        if missing:
+            raise MegaMoEError(f"mega_moe: x, x_sf, topk_idx and topk_weights are given together; missing {', '.join(missing)}")
+        n = check_inputs(cfg, buf.device, given)
+        if n != num_tokens:
+            raise MegaMoEError(f"mega_moe: x has {n} rows and y {num_tokens}; expected the same token count")
+        addresses = tuple(t.data_ptr() for t in given)
+        if any(a % 16 for a in addresses):  # the kernel copies 16-byte pieces
+            buf.fill(*given)
+            addresses = _NO_INPUTS
+    plan.launch(y, num_tokens, _current_stream(buf.device), addresses)
     return y
+
+
+_NO_INPUTS = (0, 0, 0, 0)
 
 
 # The current stream's handle without building a Stream object (a few microseconds per call on
@@ -539,9 +586,10 @@ def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: in
 
 
 class _FusedRunner:
-    """One layer call per ``runner()``: copy this rank's inputs into the buffer, then the kernel.
+    """One layer call per ``runner()``: the kernel, given this rank's inputs (it copies them into
+    the buffer as its first phase).
 
-    ``graph=True`` captures both into a CUDA graph after one eager call (which every rank makes
+    ``graph=True`` captures the call into a CUDA graph after one eager call (which every rank makes
     together) and replays it from then on, as a decode loop under CUDA graphs does: the host's
     launch work leaves the call, the device work is the same.
     """
@@ -584,9 +632,9 @@ class _FusedRunner:
         return self.y
 
     def _eager(self) -> torch.Tensor:
-        p, buf, n = self.problem, self.buf, self.problem.num_tokens
-        buf.fill(p.x, p.x_sf, p.topk_idx, p.topk_weights)
-        return mega_moe(self.y, self.l1, self.l2, buf, config=self.kernel_cfg)
+        p = self.problem
+        return mega_moe(self.y, self.l1, self.l2, self.buf, x=p.x, x_sf=p.x_sf, topk_idx=p.topk_idx,
+                        topk_weights=p.topk_weights, config=self.kernel_cfg)
 
 
 _BUFFERS: Dict[tuple, SymmBuffer] = {}

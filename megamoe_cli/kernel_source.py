@@ -47,6 +47,12 @@ TAIL_FIELDS: Tuple[str, ...] = (
     "num_max_pool_tokens",
     "timeout_ns",
     "diag",
+    # Inputs given by address (0: already in the buffer): x, x_sf, topk_idx, topk_weights, in
+    # this order (mega_moe writes them with one pack)
+    "in_x",
+    "in_x_sf",
+    "in_topk_idx",
+    "in_topk_weights",
 )
 
 
@@ -175,6 +181,9 @@ def pack_params(
     out += struct.pack(f"<{MAX_RANKS}q", *deltas)
     offsets = layout.offsets()
     out += struct.pack(f"<{len(OFFSET_SEGMENTS)}Q", *(offsets[name] for name in OFFSET_SEGMENTS))
+    if set(tail) != set(TAIL_FIELDS):
+        missing, unknown = sorted(set(TAIL_FIELDS) - set(tail)), sorted(set(tail) - set(TAIL_FIELDS))
+        raise MegaMoEError(f"launch parameters: missing {missing}, unknown {unknown}; expected exactly {list(TAIL_FIELDS)}")
     out += struct.pack(f"<{len(TAIL_FIELDS)}Q", *(int(tail[name]) for name in TAIL_FIELDS))
     out += bytes(params_size() - len(out))
     return bytes(out)

@@ -33,7 +33,16 @@ from megamoe_cli.bench.sweep import load_sweep_text
 from megamoe_cli.bench.worker import TEST_CRASH_ENV, TEST_HANG_ENV
 from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError, MegaMoETimeout
-from megamoe_cli.kernel_source import MAX_SMEM_BYTES, KernelConfig, Variant, pack_params, smem_bytes, variant_for
+from megamoe_cli.kernel_source import (
+    MAX_SMEM_BYTES,
+    TAIL_FIELDS,
+    KernelConfig,
+    Variant,
+    pack_params,
+    param_offset,
+    smem_bytes,
+    variant_for,
+)
 from megamoe_cli.layout import PRESETS, BufferConfig, MoEShape, build_layout
 from megamoe_cli.problem import make_expert_weights
 
@@ -205,11 +214,34 @@ def test_launch_parameters_refuse_what_the_struct_cannot_hold():
     layout = build_layout(BufferConfig(num_ranks=1, num_max_tokens_per_rank=64, shape=SMALL))
     tmaps = {name: bytes(128) for name in ("tmap_l1_a", "tmap_l1_sfa", "tmap_l1_b", "tmap_l2_a", "tmap_l2_sfa",
                                            "tmap_l2_b")}
-    tail = dict.fromkeys(("w1_sf", "w2_sf", "y", "num_tokens", "rank", "num_max_pool_tokens", "timeout_ns", "diag"), 0)
+    tail = dict.fromkeys(TAIL_FIELDS, 0)
     with pytest.raises(MegaMoEError, match=r"^at most 8 ranks, got 9$"):
         pack_params(tmaps, 0, [0] * 9, layout, tail)
     with pytest.raises(MegaMoEError, match=r"^tensor map tmap_l2_b must be 128 bytes, got 64$"):
         pack_params({**tmaps, "tmap_l2_b": bytes(64)}, 0, [0], layout, tail)
+    with pytest.raises(MegaMoEError, match=r"^launch parameters: missing \['in_x'\], unknown \['extra'\]"):
+        pack_params(tmaps, 0, [0], layout, {**{k: 0 for k in TAIL_FIELDS if k != "in_x"}, "extra": 1})
+
+
+def test_a_plan_starts_every_launch_parameter():
+    """launch_tail gives pack_params every scalar field of the struct (a field added to the
+    struct but not to the plan fails here, on the CPU, not at the first GPU launch)."""
+    from types import SimpleNamespace
+
+    from megamoe_cli.fused import launch_tail
+
+    config = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL)
+    scale = torch.zeros(4)
+    buf = SimpleNamespace(rank=1, config=config, diag=torch.zeros(8, dtype=torch.uint8))
+    tail = launch_tail(buf, SimpleNamespace(scale=scale), SimpleNamespace(scale=scale))
+    assert list(tail) == list(TAIL_FIELDS)
+    assert tail["rank"] == 1 and tail["num_max_pool_tokens"] == config.num_max_pool_tokens
+    assert [tail[f"in_{n}"] for n in ("x", "x_sf", "topk_idx", "topk_weights")] == [0, 0, 0, 0]
+    layout = build_layout(config)
+    tmaps = {name: bytes(128) for name in ("tmap_l1_a", "tmap_l1_sfa", "tmap_l1_b", "tmap_l2_a", "tmap_l2_sfa",
+                                           "tmap_l2_b")}
+    packed = pack_params(tmaps, 0, [0, 0], layout, tail)
+    assert struct.unpack_from("<Q", packed, param_offset("rank"))[0] == 1
 
 
 # The kernel's failure record: what the device writes is what the host reads

@@ -41,7 +41,10 @@ struct Schedule {
 // Phase 1: count local pairs per global expert, reserve a slot per pair with one atomic,
 // and store the pair's source index into the owning rank's table.
 __device__ __forceinline__ void dispatch_count(const Params& p, uint32_t dispatch_thread) {
-    const int64_t* topk_idx = at<int64_t>(p, p.off_topk_idx);
+    // Inputs given by address are read there: the other CTAs' copies into the buffer are
+    // not visible before the count barrier.
+    const int64_t* topk_idx = p.in_topk_idx != 0 ? reinterpret_cast<const int64_t*>(p.in_topk_idx)
+                                                 : at<int64_t>(p, p.off_topk_idx);
     uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count);
     int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
     const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;

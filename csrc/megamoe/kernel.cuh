@@ -21,6 +21,47 @@ __device__ __forceinline__ SharedStorage& shared_storage() {
     return *reinterpret_cast<SharedStorage*>(base);
 }
 
+// Copy nbytes (a multiple of 4; both addresses 16-byte aligned, which the host checks) with
+// every thread of the grid: 16-byte pieces, four loads in flight per thread, then the tail.
+__device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t nbytes, uint64_t tid,
+                                           uint64_t nthreads) {
+    const uint64_t n16 = nbytes / 16;
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    uint64_t i = tid;
+    for (; i + 3 * nthreads < n16; i += 4 * nthreads) {
+        int4 v[4];
+        #pragma unroll
+        for (uint32_t u = 0; u < 4; ++u)
+            v[u] = __ldcs(s + i + u * nthreads);
+        #pragma unroll
+        for (uint32_t u = 0; u < 4; ++u)
+            d[i + u * nthreads] = v[u];
+    }
+    for (; i < n16; i += nthreads)
+        d[i] = __ldcs(s + i);
+    if (tid < (nbytes % 16) / 4)
+        reinterpret_cast<uint32_t*>(dst + n16 * 16)[tid] = reinterpret_cast<const uint32_t*>(src + n16 * 16)[tid];
+}
+
+// Inputs given by address (mega_moe(..., x=..., x_sf=..., topk_idx=..., topk_weights=...)): the
+// whole grid copies this call's rows into the buffer before the roles split, instead of a
+// separate copy before the launch.  The block barrier after it, the system fence before the
+// count barrier and the rank barrier publish the copies to the peers that pull from them, the
+// same chain that publishes the count phase's remote writes.
+__device__ __forceinline__ void copy_given_inputs(const Params& p) {
+    const uint64_t n = p.num_tokens;
+    const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const uint64_t nthreads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    copy_bytes(at<uint8_t>(p, p.off_x), reinterpret_cast<const uint8_t*>(p.in_x), n * kHidden, tid, nthreads);
+    copy_bytes(at<uint8_t>(p, p.off_x_sf), reinterpret_cast<const uint8_t*>(p.in_x_sf), n * (kHidden / 128) * 4, tid,
+               nthreads);
+    copy_bytes(at<uint8_t>(p, p.off_topk_idx), reinterpret_cast<const uint8_t*>(p.in_topk_idx), n * kNumTopk * 8, tid,
+               nthreads);
+    copy_bytes(at<uint8_t>(p, p.off_topk_weights), reinterpret_cast<const uint8_t*>(p.in_topk_weights),
+               n * kNumTopk * 4, tid, nthreads);
+}
+
 __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss, uint32_t dispatch_thread) {
     MEGAMOE_PROF(if (dispatch_thread == 0) ss.prof[2][4] = clock64();)
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
@@ -126,6 +167,8 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         ptx::tma_prefetch_desc(&p.tmap_l2_a);
         ptx::tma_prefetch_desc(&p.tmap_l2_b);
     }
+    if (p.in_x != 0)
+        copy_given_inputs(p);
     // NOTES: with clusters, the other CTAs' barriers must be initialized before any
     // multicast or remote arrive targets them.
     if constexpr (kClusterM == 1)

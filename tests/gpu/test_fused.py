@@ -168,6 +168,81 @@ def test_changing_routing_between_calls(group):
         check_against_reference(problem, group, y)
 
 
+# Top-3: a token's routing rows are 24 + 12 bytes, so an odd token count leaves the kernel's
+# input copy a tail of 8- and 4-byte pieces after its 16-byte ones.
+SMALL_K3 = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=3)
+
+
+def test_inputs_given_by_address_or_in_the_buffer(group):
+    """The kernel copies inputs given to mega_moe into the buffer itself; inputs already there
+    (buf.fill) and a view it cannot copy (not 16-byte aligned: buf.fill takes it) give the same
+    bits.  The buffer's input rows are poisoned before each call, so a copy that did not happen
+    shows up as a wrong result, not as a stale right one."""
+    rank, world = rank_and_world(group)
+    problem = make_problem(SMALL_K3, rank, world, 61 + 2 * rank, 128, "cuda", shared_seed(group))
+    runner = FusedBackend().prepare(problem, group, {})
+    buf, y, n = runner.buf, runner.y, problem.num_tokens
+    given = (problem.x, problem.x_sf, problem.topk_idx, problem.topk_weights)
+    views = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
+
+    def poisoned_call(inputs=None):
+        buf.x.view(torch.uint8).fill_(0x7E)  # FP8 448
+        buf.x_sf.fill_(1.0e3)
+        buf.topk_idx.fill_(-1)
+        buf.topk_weights.fill_(float("nan"))
+        y.fill_(float("nan"))
+        if group is not None:
+            torch.distributed.barrier(group=group)  # no peer pulls while another rank poisons
+        names = ("x", "x_sf", "topk_idx", "topk_weights")
+        mega_moe(y, runner.l1, runner.l2, buf, config=runner.kernel_cfg,
+                 **(dict(zip(names, inputs)) if inputs is not None else {}))
+        synchronize(buf)
+        return y.clone()
+
+    by_address = poisoned_call(given)
+    check_against_reference(problem, group, by_address)
+    for view, t in zip(views, given):
+        assert torch.equal(view[:n].view(torch.uint8), t.view(torch.uint8)), "the kernel did not copy the given inputs"
+
+    # None given: the kernel reads the buffer, whose poison routes every token to no expert
+    assert torch.equal(poisoned_call(), torch.zeros_like(by_address)), "with no inputs given, the buffer's were not used"
+
+    def fill_then_call():
+        y.fill_(float("nan"))
+        if group is not None:
+            torch.distributed.barrier(group=group)
+        buf.fill(*given)
+        mega_moe(y, runner.l1, runner.l2, buf, config=runner.kernel_cfg)
+        synchronize(buf)
+        return y.clone()
+
+    assert torch.equal(fill_then_call(), by_address), "inputs from buf.fill differ from inputs given by address"
+
+    k = SMALL_K3.num_topk
+    backing = torch.empty(n * k + 1, dtype=torch.float32, device="cuda")
+    backing[1:].copy_(problem.topk_weights.reshape(-1))
+    odd = backing[1:].view(n, k)  # 4 bytes past a 16-byte boundary: the kernel cannot copy it
+    assert odd.data_ptr() % 16 == 4
+    assert torch.equal(poisoned_call(given[:3] + (odd,)), by_address), "the unaligned-view fallback differs"
+
+
+def test_given_inputs_are_checked(group):
+    rank, world = rank_and_world(group)
+    problem = make_problem(SMALL, rank, world, 8, 16, "cuda", 1)
+    runner = FusedBackend().prepare(problem, group, {})
+    y = torch.empty(8, SMALL.hidden, dtype=torch.bfloat16, device="cuda")
+    args = (runner.l1, runner.l2, runner.buf)
+    given = dict(x=problem.x, x_sf=problem.x_sf, topk_idx=problem.topk_idx, topk_weights=problem.topk_weights)
+    with pytest.raises(MegaMoEError, match="given together; missing topk_weights"):
+        mega_moe(y, *args, **{k: v for k, v in given.items() if k != "topk_weights"})
+    with pytest.raises(MegaMoEError, match="x has 8 rows and y 7"):
+        mega_moe(y[:7], *args, **given)
+    with pytest.raises(MegaMoEError, match="topk_idx must be torch.int64, got torch.int32"):
+        mega_moe(y, *args, **{**given, "topk_idx": problem.topk_idx.int()})
+    with pytest.raises(MegaMoEError, match="x_sf must have shape"):
+        mega_moe(y, *args, **{**given, "x_sf": problem.x_sf[:, :2].contiguous()})
+
+
 def test_validation_errors(group):
     rank, world = rank_and_world(group)
     problem = make_problem(SMALL, rank, world, 8, 16, "cuda", 1)
