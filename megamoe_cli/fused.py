@@ -81,10 +81,11 @@ def _group_info(group) -> Tuple[int, int]:
 class SymmBuffer:
     """One rank's symmetric buffer (identical layout on every rank of ``group``).
 
-    Views the caller fills before each call (``fill`` copies all four, in one launch up to
-    16 MiB of x, or the producing ops write into them directly): ``x`` (fp8 [T, hidden]), ``x_sf`` (f32
-    [T, hidden/128]), ``topk_idx`` (int64 [T, topk], -1 = no expert), ``topk_weights``
-    (f32 [T, topk]).  Keep the object alive while kernels use it.
+    Input views: ``x`` (fp8 [T, hidden]), ``x_sf`` (f32 [T, hidden/128]), ``topk_idx`` (int64
+    [T, topk], -1 = no expert), ``topk_weights`` (f32 [T, topk]).  Given to ``mega_moe``, the
+    inputs are copied into them by the kernel; otherwise the caller fills them before each call
+    (``fill`` copies all four, in one launch up to 16 MiB of x, or the producing ops write into
+    them directly).  Keep the object alive while kernels use it.
     """
 
     def __init__(
@@ -347,6 +348,11 @@ def copy_inputs(cfg: BufferConfig, device: torch.device, views: Sequence[torch.T
     launch's host cost instead of four), or a plain copy of a large x plus one multi-tensor copy
     of the rest.  Nothing is copied unless all four are right.  Returns the token count."""
     n = check_inputs(cfg, device, inputs)
+    _copy_checked(views, inputs, n)
+    return n
+
+
+def _copy_checked(views: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], n: int) -> None:
     if n:
         dst = [v[:n].view(torch.uint8) for v in views]
         src = [t.view(torch.uint8) for t in inputs]
@@ -358,7 +364,6 @@ def copy_inputs(cfg: BufferConfig, device: torch.device, views: Sequence[torch.T
         else:  # a large x streams faster through a plain copy than through the multi-tensor one
             dst[0].copy_(src[0])
             _FOREACH_COPY(dst[1:], src[1:])
-    return n
 
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
@@ -463,10 +468,8 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
         num_sms = min(num_sms // config.cluster_m, resident) * config.cluster_m
     if num_sms <= 0:
         raise MegaMoEError(f"mega_moe: no resident grid for {variant.name} with num_sms={config.num_sms}")
-    inputs_offset = param_offset("in_x")
-    assert [param_offset(f"in_{name}") for name in _INPUTS] == [inputs_offset + 8 * i for i in range(4)]
     return _LaunchPlan(kernel, (num_sms, 1, 1), (config.cluster_m, 1, 1), params, param_offset("y"),
-                       param_offset("num_tokens"), inputs_offset)
+                       param_offset("num_tokens"), param_offset("in_x"))
 
 
 def mega_moe(
@@ -520,19 +523,40 @@ def mega_moe(
     if x is not None or x_sf is not None or topk_idx is not None or topk_weights is not None:
         missing = [name for name, t in zip(_INPUTS, given) if t is None]
         if missing:
-            raise MegaMoEError(f"mega_moe: x, x_sf, topk_idx and topk_weights are given together; missing {', '.join(missing)}")
+            raise MegaMoEError(f"mega_moe: x, x_sf, topk_idx and topk_weights must be given together; missing {', '.join(missing)}")
         n = check_inputs(cfg, buf.device, given)
         if n != num_tokens:
             raise MegaMoEError(f"mega_moe: x has {n} rows and y {num_tokens}; expected the same token count")
-        addresses = tuple(t.data_ptr() for t in given)
-        if any(a % 16 for a in addresses):  # the kernel copies 16-byte pieces
-            buf.fill(*given)
+        addresses = input_addresses(buf, given)
+        if addresses is None:  # the kernel copies 16-byte pieces
+            _copy_checked((buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights), given, n)
             addresses = _NO_INPUTS
     plan.launch(y, num_tokens, _current_stream(buf.device), addresses)
     return y
 
 
 _NO_INPUTS = (0, 0, 0, 0)
+
+
+def input_addresses(buf: SymmBuffer, given: Sequence[torch.Tensor]) -> Optional[Tuple[int, int, int, int]]:
+    """What the kernel copies from: the four inputs' addresses; zeros when they are the buffer's
+    own views already (nothing to copy); None when one is not 16-byte aligned (the caller copies
+    them instead).  An input elsewhere inside the symmetric buffer is refused: the kernel's copy
+    would overwrite rows it is still reading."""
+    views = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
+    addresses = tuple(t.data_ptr() for t in given)
+    if addresses == tuple(v.data_ptr() for v in views):
+        return _NO_INPUTS
+    lo, hi = buf.buffer.data_ptr(), buf.buffer.data_ptr() + buf.nbytes
+    for name, t, a in zip(_INPUTS, given, addresses):
+        if t.numel() and a < hi and a + t.numel() * t.element_size() > lo:
+            raise MegaMoEError(
+                f"mega_moe: {name} lies inside the symmetric buffer; pass the buffer's own views (buf.x[:n], ...) "
+                "all four, or tensors outside it"
+            )
+    if any(a % 16 for a in addresses):
+        return None
+    return addresses
 
 
 # The current stream's handle without building a Stream object (a few microseconds per call on

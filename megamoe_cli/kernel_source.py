@@ -241,7 +241,7 @@ def smem_bytes(variant: Variant) -> int:
     e_local = variant.shape.num_experts // variant.num_ranks
     stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
-    barriers = 16 * variant.num_stages
+    barriers = 16 * variant.num_stages + 16 * variant.num_stages + 16  # full/empty, stage_tile (uint4) + alignment
     schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
     profile = 3 * 12 * 8  # cycle counters of profiling builds
     return stages + staging + barriers + schedule + profile + 1024 + 256  # alignment slack

@@ -236,7 +236,10 @@ def test_a_plan_starts_every_launch_parameter():
     tail = launch_tail(buf, SimpleNamespace(scale=scale), SimpleNamespace(scale=scale))
     assert list(tail) == list(TAIL_FIELDS)
     assert tail["rank"] == 1 and tail["num_max_pool_tokens"] == config.num_max_pool_tokens
-    assert [tail[f"in_{n}"] for n in ("x", "x_sf", "topk_idx", "topk_weights")] == [0, 0, 0, 0]
+    names = [f"in_{n}" for n in ("x", "x_sf", "topk_idx", "topk_weights")]
+    assert [tail[name] for name in names] == [0, 0, 0, 0]
+    # mega_moe writes the four input addresses with one 32-byte pack from in_x on
+    assert [param_offset(name) for name in names] == [param_offset("in_x") + 8 * i for i in range(4)]
     layout = build_layout(config)
     tmaps = {name: bytes(128) for name in ("tmap_l1_a", "tmap_l1_sfa", "tmap_l1_b", "tmap_l2_a", "tmap_l2_sfa",
                                            "tmap_l2_b")}

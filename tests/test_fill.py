@@ -93,3 +93,67 @@ def test_a_large_x_is_copied_on_its_own(monkeypatch):
     monkeypatch.setattr(fused, "_FOREACH_MAX_BYTES", n * SHAPE.hidden)
     assert copy_inputs(CFG, CPU, views(), src) == n
     assert calls == [3, 4]
+
+
+# `input_addresses`: what mega_moe hands the kernel to copy from, on a CPU stand-in buffer
+def fake_buffer():
+    """A byte buffer whose four input views sit at 1024-byte-aligned offsets inside it."""
+    from types import SimpleNamespace
+
+    t = CFG.num_max_tokens_per_rank
+    sizes = (t * SHAPE.hidden, t * SHAPE.hidden // 128 * 4, t * SHAPE.num_topk * 8, t * SHAPE.num_topk * 4)
+    raw = torch.zeros(sum(-(-s // 1024) * 1024 for s in sizes) + 1024, dtype=torch.uint8)
+    base = (-raw.data_ptr()) % 1024
+    out, offset = [], base
+    for size, (dtype, cols) in zip(sizes, ((torch.float8_e4m3fn, SHAPE.hidden), (torch.float32, SHAPE.hidden // 128),
+                                           (torch.int64, SHAPE.num_topk), (torch.float32, SHAPE.num_topk))):
+        out.append(raw[offset:offset + size].view(dtype).view(t, cols))
+        offset += -(-size // 1024) * 1024
+    x, x_sf, topk_idx, topk_weights = out
+    return SimpleNamespace(buffer=raw, nbytes=raw.numel(), x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)
+
+
+def aligned(t):
+    """A copy of t at a 16-byte-aligned address (CPU tensors are not always)."""
+    raw = torch.empty(t.numel() * t.element_size() + 16, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 16
+    out = raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def test_the_kernel_copies_from_the_given_addresses():
+    from megamoe_cli.fused import input_addresses
+
+    buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=3))
+    assert input_addresses(buf, given) == tuple(t.data_ptr() for t in given)
+
+
+def test_the_buffers_own_views_are_not_copied_onto_themselves():
+    from megamoe_cli.fused import input_addresses
+
+    buf = fake_buffer()
+    own = (buf.x[:5], buf.x_sf[:5], buf.topk_idx[:5], buf.topk_weights[:5])
+    assert input_addresses(buf, own) == (0, 0, 0, 0)
+
+
+def test_an_input_elsewhere_inside_the_buffer_is_refused():
+    from megamoe_cli.fused import input_addresses
+
+    buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=4))
+    with pytest.raises(MegaMoEError, match="x_sf lies inside the symmetric buffer"):
+        input_addresses(buf, (given[0], buf.x_sf[2:7], given[2], given[3]))
+    with pytest.raises(MegaMoEError, match="x lies inside the symmetric buffer"):  # the buffer's view of a wrong row
+        input_addresses(buf, (buf.x[1:6],) + given[1:])
+
+
+def test_an_unaligned_input_is_left_to_the_host_copy():
+    from megamoe_cli.fused import input_addresses
+
+    buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=5))
+    backing = torch.empty(given[3].numel() + 4, dtype=torch.float32)
+    start = ((-backing.data_ptr()) % 16) // 4 + 1  # one float past a 16-byte boundary
+    odd = backing[start:start + given[3].numel()].view(given[3].shape)
+    odd.copy_(given[3])
+    assert odd.data_ptr() % 16 == 4
+    assert input_addresses(buf, given[:3] + (odd,)) is None

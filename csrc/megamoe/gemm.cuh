@@ -102,7 +102,7 @@ struct TileSource {
 };
 
 // TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams A,
-// A scales and B through the stage ring; every stage carries its tile id, and a stage
+// A scales and B through the stage ring; every stage carries its decoded tile (pack_tile), and a stage
 // without data ends the loop.  With clusters, each CTA loads its own A block and one part
 // of B, multicast to every CTA of the cluster; the empty barriers count the consumers of
 // all of them, since a multicast overwrites the stage everywhere.

@@ -1,4 +1,6 @@
 // The persistent Mega MoE kernel: role split and phase order.
+//   all threads   inputs given by address: copied into the symmetric buffer before the split
+//                 (the profile's consumer start slot includes it)
 //   warp 0        TMA producer for both GEMMs
 //   warps 1-3     dispatch: count -> publish -> schedule -> pull
 //   warpgroups 1-2  WGMMA consumers: L1 + SwiGLU, L2 + combine push; then barrier,

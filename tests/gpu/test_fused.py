@@ -177,7 +177,9 @@ def test_inputs_given_by_address_or_in_the_buffer(group):
     """The kernel copies inputs given to mega_moe into the buffer itself; inputs already there
     (buf.fill) and a view it cannot copy (not 16-byte aligned: buf.fill takes it) give the same
     bits.  The buffer's input rows are poisoned before each call, so a copy that did not happen
-    shows up as a wrong result, not as a stale right one."""
+    shows up as a wrong result, not as a stale right one.  (The count phase reads topk_idx from
+    the given tensor; had it read the buffer instead, other CTAs' copies would usually land first,
+    so that race is argued in kernel.cuh rather than caught here.)"""
     rank, world = rank_and_world(group)
     problem = make_problem(SMALL_K3, rank, world, 61 + 2 * rank, 128, "cuda", shared_seed(group))
     runner = FusedBackend().prepare(problem, group, {})
@@ -192,7 +194,7 @@ def test_inputs_given_by_address_or_in_the_buffer(group):
         buf.topk_weights.fill_(float("nan"))
         y.fill_(float("nan"))
         if group is not None:
-            torch.distributed.barrier(group=group)  # no peer pulls while another rank poisons
+            torch.distributed.barrier(group=group)  # every rank's poison in place before any call
         names = ("x", "x_sf", "topk_idx", "topk_weights")
         mega_moe(y, runner.l1, runner.l2, buf, config=runner.kernel_cfg,
                  **(dict(zip(names, inputs)) if inputs is not None else {}))
@@ -218,6 +220,16 @@ def test_inputs_given_by_address_or_in_the_buffer(group):
 
     assert torch.equal(fill_then_call(), by_address), "inputs from buf.fill differ from inputs given by address"
 
+    # The buffer's own views given: nothing to copy, the kernel reads them where they are
+    y.fill_(float("nan"))
+    if group is not None:
+        torch.distributed.barrier(group=group)
+    buf.fill(*given)
+    mega_moe(y, runner.l1, runner.l2, buf, config=runner.kernel_cfg, x=buf.x[:n], x_sf=buf.x_sf[:n],
+             topk_idx=buf.topk_idx[:n], topk_weights=buf.topk_weights[:n])
+    synchronize(buf)
+    assert torch.equal(y, by_address), "the buffer's own views given as inputs differ"
+
     k = SMALL_K3.num_topk
     backing = torch.empty(n * k + 1, dtype=torch.float32, device="cuda")
     backing[1:].copy_(problem.topk_weights.reshape(-1))
@@ -233,7 +245,7 @@ def test_given_inputs_are_checked(group):
     y = torch.empty(8, SMALL.hidden, dtype=torch.bfloat16, device="cuda")
     args = (runner.l1, runner.l2, runner.buf)
     given = dict(x=problem.x, x_sf=problem.x_sf, topk_idx=problem.topk_idx, topk_weights=problem.topk_weights)
-    with pytest.raises(MegaMoEError, match="given together; missing topk_weights"):
+    with pytest.raises(MegaMoEError, match="must be given together; missing topk_weights"):
         mega_moe(y, *args, **{k: v for k, v in given.items() if k != "topk_weights"})
     with pytest.raises(MegaMoEError, match="x has 8 rows and y 7"):
         mega_moe(y[:7], *args, **given)
@@ -241,6 +253,12 @@ def test_given_inputs_are_checked(group):
         mega_moe(y, *args, **{**given, "topk_idx": problem.topk_idx.int()})
     with pytest.raises(MegaMoEError, match="x_sf must have shape"):
         mega_moe(y, *args, **{**given, "x_sf": problem.x_sf[:, :2].contiguous()})
+    with pytest.raises(MegaMoEError, match="x must be on cuda"):
+        mega_moe(y, *args, **{**given, "x": problem.x.cpu()})
+    with pytest.raises(MegaMoEError, match="topk_weights must be contiguous"):
+        mega_moe(y, *args, **{**given, "topk_weights": problem.topk_weights.t().contiguous().t()})
+    with pytest.raises(MegaMoEError, match="x lies inside the symmetric buffer"):
+        mega_moe(y, *args, **{**given, "x": runner.buf.x[1:9]})
 
 
 def test_validation_errors(group):
