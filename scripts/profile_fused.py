@@ -3,8 +3,8 @@
 The kernel's own time (CUDA events around `mega_moe`, inputs already in the buffer) is the
 second roofline next to `megamoe bench`'s layer time.  Under `ncu`, pass --iters 1.
 Under torchrun (one rank per GPU) every rank runs its share of an expert-parallel layer and the
-slowest rank's median is printed, both for the kernel alone and for the layer call (input
-copies included).
+slowest rank's median is printed, both for the kernel alone and for the layer call (the inputs
+given to `mega_moe`, which copies them into the buffer in the kernel).
 
     python3 scripts/profile_fused.py --preset deepseek-v3 --tokens 64,16384 --configs 64:4,128:3
 
@@ -39,7 +39,8 @@ def main() -> None:
                     help="also the kernel's device time per call with 20 calls back to back (no host gaps or barriers)")
     ap.add_argument("--host", action="store_true",
                     help="also the host's cost per call (no device syncs in between): the kernel launch, the eager "
-                         "layer call (input copies + launch) and a graph replay")
+                         "layer call (one launch with the inputs given), a buf.fill input copy for comparison "
+                         "and a graph replay")
     args = ap.parse_args()
     if args.profile:
         os.environ["MEGAMOE_PROFILE"] = "1"
@@ -164,7 +165,8 @@ def host_costs(runner, problem, world: int) -> dict:
                                                      runner.kernel_cfg.to_dict())
     graph_runner()  # captures
     synchronize(buf)
-    pieces = {"fill (input copy)": fill, "launch": launch, "eager call": runner, "graph replay": graph_runner}
+    pieces = {"fill (input copy, not in the eager call)": fill, "launch": launch, "eager call": runner,
+              "graph replay": graph_runner}
     out = {}
     for name, fn in pieces.items():
         samples = []
