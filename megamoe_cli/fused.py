@@ -141,11 +141,12 @@ class SymmBuffer:
         self.x_sf = self.view("x_sf")
         self.topk_idx = self.view("topk_idx")
         self.topk_weights = self.view("topk_weights")
+        self.inputs = (self.x, self.x_sf, self.topk_idx, self.topk_weights)  # in _INPUTS order
 
     def fill(self, x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
         """Copy one call's inputs into the views (one device launch; two when x is over 16 MiB);
         returns the token count."""
-        return copy_inputs(self.config, self.device, (self.x, self.x_sf, self.topk_idx, self.topk_weights),
+        return copy_inputs(self.config, self.device, self.inputs,
                            (x, x_sf, topk_idx, topk_weights))
 
     def view(self, name: str) -> torch.Tensor:
@@ -320,6 +321,7 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequenc
 
 
 _INPUTS = ("x", "x_sf", "topk_idx", "topk_weights")
+_NO_INPUTS = (0, 0, 0, 0)  # launch addresses meaning "the inputs are in the buffer already"
 
 
 def check_inputs(cfg: BufferConfig, device: torch.device, inputs: Sequence[torch.Tensor]) -> int:
@@ -418,7 +420,7 @@ class _LaunchPlan:
         self.num_tokens_offset = num_tokens_offset
         self.inputs_offset = inputs_offset
 
-    def launch(self, y: torch.Tensor, num_tokens: int, stream: int, inputs: Tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
+    def launch(self, y: torch.Tensor, num_tokens: int, stream: int, inputs: Tuple[int, int, int, int] = _NO_INPUTS) -> None:
         """``inputs``: addresses of x, x_sf, topk_idx, topk_weights for the kernel to copy into the
         buffer, or zeros when they are already there."""
         struct.pack_into("<Q", self.prepared.params, self.y_offset, y.data_ptr())
@@ -529,13 +531,11 @@ def mega_moe(
             raise MegaMoEError(f"mega_moe: x has {n} rows and y {num_tokens}; expected the same token count")
         addresses = input_addresses(buf, given)
         if addresses is None:  # the kernel copies 16-byte pieces
-            _copy_checked((buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights), given, n)
+            _copy_checked(buf.inputs, given, n)
             addresses = _NO_INPUTS
     plan.launch(y, num_tokens, _current_stream(buf.device), addresses)
     return y
 
-
-_NO_INPUTS = (0, 0, 0, 0)
 
 
 def input_addresses(buf: SymmBuffer, given: Sequence[torch.Tensor]) -> Optional[Tuple[int, int, int, int]]:
@@ -543,9 +543,8 @@ def input_addresses(buf: SymmBuffer, given: Sequence[torch.Tensor]) -> Optional[
     own views already (nothing to copy); None when one is not 16-byte aligned (the caller copies
     them instead).  An input elsewhere inside the symmetric buffer is refused: the kernel's copy
     would overwrite rows it is still reading."""
-    views = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights)
     addresses = tuple(t.data_ptr() for t in given)
-    if addresses == tuple(v.data_ptr() for v in views):
+    if addresses == tuple(v.data_ptr() for v in buf.inputs):
         return _NO_INPUTS
     lo, hi = buf.buffer.data_ptr(), buf.buffer.data_ptr() + buf.nbytes
     for name, t, a in zip(_INPUTS, given, addresses):

@@ -110,7 +110,8 @@ def fake_buffer():
         out.append(raw[offset:offset + size].view(dtype).view(t, cols))
         offset += -(-size // 1024) * 1024
     x, x_sf, topk_idx, topk_weights = out
-    return SimpleNamespace(buffer=raw, nbytes=raw.numel(), x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)
+    return SimpleNamespace(buffer=raw, nbytes=raw.numel(), x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights,
+                           inputs=(x, x_sf, topk_idx, topk_weights))
 
 
 def aligned(t):
