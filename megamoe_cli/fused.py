@@ -27,9 +27,9 @@ from .kernel_source import (
     NUM_THREADS,
     KernelConfig,
     Variant,
-    csrc_dir,
     experiment_defines,
-    generate_source,
+    ffma_interleave,
+    kernel_build_source,
     pack_params,
     param_offset,
     smem_bytes,
@@ -266,17 +266,18 @@ class _Kernel:
     """A built, loaded variant."""
 
     def __init__(self, variant: Variant, device: torch.device):
-        from .jit import KernelSource, build, load_module
+        from .jit import build, load_module
+        from .jit.sass import edited_cubin
 
         self.profile = profiling_enabled()
-        name = variant.name + ("_profile" if self.profile else "")
-        source = KernelSource(name=name, source=generate_source(variant, self.profile), include_dirs=(str(csrc_dir()),))
-        (built,) = build([source])
+        (built,) = build([kernel_build_source(variant, self.profile)])
         if built.report.has_spills and not self.profile:
             raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
-        self.module = load_module(built.cubin_path, device.index)
+        # Scheduling hints on the promotion FFMAs (jit/sass.py); MEGAMOE_FFMA_INTERLEAVE=0 loads the cubin as built.
+        cubin, self.sass_edit = edited_cubin(built.cubin_path, ffma_interleave())
+        self.module = load_module(cubin, device.index)
         self.function = self.module.get_function(KERNEL_NAME)
         self.function.set_max_dynamic_smem(self.smem_bytes)
 
@@ -296,12 +297,12 @@ class _Kernel:
             raise MegaMoEError(f"kernel variant {self.variant.name} was built without counters; set {PROFILE_ENV}=1")
 
 
-_KERNELS: Dict[Tuple[Variant, int, bool, Tuple[str, ...]], _Kernel] = {}
+_KERNELS: Dict[Tuple[Variant, int, bool, Tuple[str, ...], float], _Kernel] = {}
 
 
 def get_kernel(variant: Variant, device: torch.device) -> _Kernel:
     # The diagnostic macros are part of the build, so they are part of the key.
-    key = (variant, device.index, profiling_enabled(), experiment_defines())
+    key = (variant, device.index, profiling_enabled(), experiment_defines(), ffma_interleave())
     if key not in _KERNELS:
         _KERNELS[key] = _Kernel(variant, device)
     return _KERNELS[key]

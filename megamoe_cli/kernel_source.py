@@ -207,6 +207,33 @@ def experiment_defines() -> Tuple[str, ...]:
     return tuple(f"MEGAMOE_EXP_{n}" for n in names)
 
 
+ENV_FFMA_INTERLEAVE = "MEGAMOE_FFMA_INTERLEAVE"
+# Share of each promotion FFMA run made switchable after linking (``jit/sass.py``).
+DEFAULT_FFMA_INTERLEAVE = 1.0
+
+
+def ffma_interleave() -> float:
+    """``$MEGAMOE_FFMA_INTERLEAVE`` (0 turns the SASS edit off) or the default."""
+    raw = os.environ.get(ENV_FFMA_INTERLEAVE, "").strip()
+    if not raw:
+        return DEFAULT_FFMA_INTERLEAVE
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise MegaMoEError(f"{ENV_FFMA_INTERLEAVE}: expected a number within [0, 1] (0 = off), got {raw!r}")
+    return value
+
+
+def kernel_build_source(variant: Variant, profile: bool = False):
+    """What the JIT compiles for ``variant`` (the fused runner and ``megamoe tune`` share the cache entry)."""
+    from .jit import KernelSource
+
+    name = variant.name + ("_profile" if profile else "")
+    return KernelSource(name=name, source=generate_source(variant, profile), include_dirs=(str(csrc_dir()),))
+
+
 def generate_source(variant: Variant, profile: bool = False) -> str:
     """The variant's translation unit; ``profile`` adds the cycle counters (``megamoe_profile``)."""
     s = variant.shape

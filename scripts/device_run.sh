@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|knob|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 # mainloop [args]: the main-loop microbenchmark (microsweep: under each operand source); ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
@@ -66,6 +66,18 @@ case "$MODE" in
     for r in 1 2; do
       run timing_base$r 300 env PYTHONPATH="$BASE" MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-base "${PY[@]}" "$BASE/scripts/profile_fused.py" --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
       run timing_new$r 300 "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+    done
+    ;;
+  knob)  # A/B of an environment knob in this tree: KNOB=<variable> KNOB_VALUES="<v1> <v2> ..." timed
+          # alternately, twice, after the quick fused tier at the knob's default (AB_TOKENS, AB_CONFIGS,
+          # AB_SKIP_TESTS, AB_NPROC, AB_ARGS as in ab)
+    export MEGAMOE_GPU_QUICK=1
+    [ -z "${AB_SKIP_TESTS:-}" ] && run gpu_ws1 300 python3 -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
+    PY=(python3); [ "${AB_NPROC:-1}" -gt 1 ] && PY=(torchrun --standalone --nproc-per-node "$AB_NPROC")
+    for r in 1 2; do
+      for v in ${KNOB_VALUES:?set KNOB_VALUES}; do
+        run "timing_${KNOB:?set KNOB}=${v}_$r" 300 env "$KNOB=$v" "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+      done
     done
     ;;
   bench)

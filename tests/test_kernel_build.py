@@ -12,7 +12,9 @@ import pytest
 
 from megamoe_cli.heuristics import default_config
 from megamoe_cli.jit import KernelSource, build
+from megamoe_cli.jit.sass import edited_cubin
 from megamoe_cli.kernel_source import (
+    DEFAULT_FFMA_INTERLEAVE,
     KERNEL_NAME,
     MAX_SMEM_BYTES,
     SUPPORTED_BLOCK_M,
@@ -21,6 +23,7 @@ from megamoe_cli.kernel_source import (
     Variant,
     csrc_dir,
     generate_source,
+    kernel_build_source,
     smem_bytes,
 )
 from megamoe_cli.layout import PRESETS
@@ -63,8 +66,7 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
                 v = Variant(shape, 2, 4096, block_m, stages, cluster_m)
                 if smem_bytes(v) <= MAX_SMEM_BYTES:
                     variants.append(v)
-    sources = [KernelSource(v.name, generate_source(v), include_dirs=(str(csrc_dir()),)) for v in variants]
-    built = build(sources)
+    built = build([kernel_build_source(v) for v in variants])
     assert len(built) == len(variants)
     for v, kernel in zip(variants, built):
         entry = kernel.report[KERNEL_NAME]
@@ -73,6 +75,14 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
         assert entry.stack_frame_bytes == 0, f"{v.name}: {kernel.report.summary()}"
         assert 0 < entry.registers <= 168, f"{v.name}: {entry.registers} registers"
         assert kernel.cubin_path.stat().st_size > 0
+        # The promotion FFMAs are found and edited: one run per WGMMA wait of the main loops
+        # (block_m 128: two halves plus the narrow loop's one; block_m 64: one), 64 FFMAs each,
+        # about half of them carrying the reuse flag and no-yield bit that the edit clears.
+        cubin, edit = edited_cubin(kernel.cubin_path, DEFAULT_FFMA_INTERLEAVE)
+        assert cubin != kernel.cubin_path and cubin.read_bytes() != kernel.cubin_path.read_bytes()
+        assert edit.regions == (3 if v.block_m == 128 else 1), f"{v.name}: {edit}"
+        assert edit.ffma == 64 * edit.regions, f"{v.name}: {edit}"
+        assert edit.ffma // 4 < edit.changed <= edit.ffma // 2, f"{v.name}: {edit}"
 
 
 def test_the_profiling_build_compiles_and_its_counter_names_match_the_kernels_slots(tmp_path, monkeypatch):

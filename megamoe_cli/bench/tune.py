@@ -465,10 +465,9 @@ def plan_tune(sweep: TuneSweep, world_size: int, gpu: str) -> List[PointPlan]:
 
 def kernel_source(variant: Variant):
     """The JIT source of ``variant``, exactly as the fused runner builds it (same cache entry)."""
-    from ..jit import KernelSource
-    from ..kernel_source import csrc_dir, generate_source
+    from ..kernel_source import kernel_build_source
 
-    return KernelSource(name=variant.name, source=generate_source(variant), include_dirs=(str(csrc_dir()),))
+    return kernel_build_source(variant)
 
 
 _COMPILER_ERROR = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)

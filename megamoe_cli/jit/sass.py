@@ -1,0 +1,167 @@
+"""Post-link edit of a cubin's sm_90 SASS: scheduling hints on the promotion FFMAs.
+
+After each wait for a warpgroup's WGMMAs (``WARPGROUP.DEPBAR``) the consumer promotes the
+partial accumulators with a run of FFMAs.  ptxas emits that run with half of the FFMAs
+marked "do not yield" (they carry an operand-reuse flag for the next FFMA), so a warp that is
+promoting keeps its scheduler slot for pairs of instructions while the other warpgroup's
+warps wait to issue.  ``interleave_promotion_ffma`` clears the reuse flag and the no-yield
+bit on those FFMAs (the first ``fraction`` of each run), leaving every promotion FFMA
+switchable.  Both bits are hints: the reuse flag only saves a register-file read, and the
+stall counts and scoreboards that order dependent instructions are untouched, so results
+do not change; only the order in which warps issue does.
+
+Encoding facts used (sm_90, 128-bit instructions stored as two little-endian 64-bit words):
+the opcode is the low 12 bits of the first word (FFMA with three register sources 0x223,
+``WARPGROUP.ARRIVE`` / ``WARPGROUP.DEPBAR`` 0x9c5, the latter with bit 47 set, QGMMA 0x9f3;
+a region also ends at BSYNC 0x941, CALL 0x944, BRA 0x947, WARPSYNC 0x948, EXIT 0x94d,
+RET 0x950 and BAR 0xb1d); in the second word, bit 45 is the no-yield bit of the control code
+and bit 59 the reuse flag of source operand B.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+from ..errors import MegaMoEError
+from ..files import atomic_write
+
+OP_MASK = 0xFFF
+OP_FFMA_RRR = 0x223
+OP_WARPGROUP = 0x9C5
+WARPGROUP_DEPBAR_BIT = 1 << 47
+# Instructions that end a promotion region: control flow, barriers, the next WGMMA group.
+OP_REGION_END = frozenset({0x941, 0x944, 0x947, 0x948, 0x94D, 0x950, 0xB1D, 0x9F3})
+NO_YIELD_BIT = 1 << 45
+REUSE_B_BIT = 1 << 59
+
+_ELF_MAGIC = b"\x7fELF"
+
+
+@dataclass(frozen=True)
+class TextSection:
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    regions: int  # promotion regions found (one per WARPGROUP.DEPBAR followed by FFMAs)
+    ffma: int  # FFMAs in those regions
+    changed: int  # FFMAs whose reuse flag and no-yield bit were cleared
+
+    def to_dict(self) -> dict:
+        return {"regions": self.regions, "ffma": self.ffma, "changed": self.changed}
+
+
+def text_sections(cubin: bytes) -> List[TextSection]:
+    """The ``.text.<function>`` sections of an ELF64 little-endian cubin."""
+    if len(cubin) < 64 or cubin[:4] != _ELF_MAGIC:
+        raise MegaMoEError(f"not a cubin: expected an ELF file, got {len(cubin)} bytes starting {cubin[:4]!r}")
+    if cubin[4] != 2 or cubin[5] != 1:
+        raise MegaMoEError(f"cubin: expected ELF64 little-endian, got class {cubin[4]} data {cubin[5]}")
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    if shentsize != 64 or shoff + shnum * 64 > len(cubin) or shstrndx >= shnum:
+        raise MegaMoEError(f"cubin: malformed section table (offset {shoff}, {shnum} entries of {shentsize} B)")
+
+    def header(index: int) -> Tuple[int, int, int, int]:
+        name, kind, _flags, _addr, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + index * 64)
+        return name, kind, offset, size
+
+    _, _, str_offset, str_size = header(shstrndx)
+    names = cubin[str_offset : str_offset + str_size]
+    sections = []
+    for index in range(shnum):
+        name_offset, kind, offset, size = header(index)
+        end = names.find(b"\0", name_offset)
+        name = names[name_offset:end].decode("ascii", "replace")
+        if name.startswith(".text.") and kind == 1:  # SHT_PROGBITS
+            if offset + size > len(cubin) or size % 16:
+                raise MegaMoEError(f"cubin: section {name} ({size} B at {offset}) is not whole 16-byte instructions")
+            sections.append(TextSection(name, offset, size))
+    return sections
+
+
+def _words(code: bytes | bytearray, offset: int, size: int) -> Iterator[Tuple[int, int, int]]:
+    for position in range(offset, offset + size, 16):
+        low, high = struct.unpack_from("<QQ", code, position)
+        yield position, low, high
+
+
+def _is_depbar(low: int) -> bool:
+    return (low & OP_MASK) == OP_WARPGROUP and bool(low & WARPGROUP_DEPBAR_BIT)
+
+
+def _promotion_regions(code: bytes | bytearray, section: TextSection) -> List[List[Tuple[int, int, int]]]:
+    """FFMAs (position, low, high) after each WARPGROUP.DEPBAR, up to the next WGMMA group or branch."""
+    regions: List[List[Tuple[int, int, int]]] = []
+    current = None
+    for position, low, high in _words(code, section.offset, section.size):
+        op = low & OP_MASK
+        if _is_depbar(low):
+            if current:
+                regions.append(current)
+            current = []
+        elif op == OP_WARPGROUP or op in OP_REGION_END:
+            if current:
+                regions.append(current)
+            current = None
+        elif current is not None and op == OP_FFMA_RRR:
+            current.append((position, low, high))
+    if current:
+        regions.append(current)
+    return regions
+
+
+def interleave_promotion_ffma(cubin: bytes, fraction: float = 1.0, section_prefix: str = ".text.") -> Tuple[bytes, PatchReport]:
+    """Clear the reuse flag and no-yield bit on promotion FFMAs (the first ``fraction`` of each run).
+
+    Only FFMAs that carry both the operand-B reuse flag and the no-yield bit are edited, and
+    only the first write to each destination register within a run (a later FFMA into the
+    same register is left as ptxas made it).
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise MegaMoEError(f"interleave_promotion_ffma: fraction must be within [0, 1], got {fraction!r}")
+    code = bytearray(cubin)
+    regions = ffma = changed = 0
+    for section in text_sections(cubin):
+        if not section.name.startswith(section_prefix):
+            continue
+        for run in _promotion_regions(code, section):
+            regions += 1
+            ffma += len(run)
+            limit = int(len(run) * fraction)
+            seen = set()
+            for position, low, high in run[:limit]:
+                dst = (low >> 16) & 0xFF
+                first = dst not in seen
+                seen.add(dst)
+                if first and high & REUSE_B_BIT and high & NO_YIELD_BIT:
+                    struct.pack_into("<Q", code, position + 8, high & ~(REUSE_B_BIT | NO_YIELD_BIT))
+                    changed += 1
+    return bytes(code), PatchReport(regions, ffma, changed)
+
+
+def edited_cubin(cubin_path: Path, fraction: float) -> Tuple[Path, Optional[PatchReport]]:
+    """The cubin to load: ``cubin_path`` itself when ``fraction`` is 0, else its promotion-FFMA
+    edit, written once beside it (``kernel.ffma<fraction>.cubin``, atomically) and reused.
+
+    The edit is recomputed from the compiled cubin each time (it is cheap), so a stale or
+    partial file from another process is replaced, never trusted.
+    """
+    if not fraction:
+        return cubin_path, None
+    original = cubin_path.read_bytes()
+    patched, report = interleave_promotion_ffma(original, fraction)
+    target = cubin_path.with_name(f"{cubin_path.stem}.ffma{fraction:g}{cubin_path.suffix}")
+    try:
+        current = target.read_bytes()
+    except OSError:
+        current = None
+    if current != patched:
+        atomic_write(target, lambda tmp: Path(tmp).write_bytes(patched))
+    return target, report
