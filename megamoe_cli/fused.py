@@ -28,7 +28,7 @@ from .kernel_source import (
     KernelConfig,
     Variant,
     experiment_defines,
-    ffma_interleave,
+    promotion_hints,
     kernel_build_source,
     pack_params,
     param_offset,
@@ -275,8 +275,8 @@ class _Kernel:
             raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
-        # Scheduling hints on the promotion FFMAs (jit/sass.py); MEGAMOE_FFMA_INTERLEAVE=0 loads the cubin as built.
-        cubin, self.sass_edit = edited_cubin(built.cubin_path, ffma_interleave())
+        # Scheduling hints on the promotion FFMAs (jit/sass.py); MEGAMOE_PROMOTION_HINTS=off loads the cubin as built.
+        cubin, self.sass_edit = edited_cubin(built.cubin_path, *promotion_hints())
         self.module = load_module(cubin, device.index)
         self.function = self.module.get_function(KERNEL_NAME)
         self.function.set_max_dynamic_smem(self.smem_bytes)
@@ -297,12 +297,12 @@ class _Kernel:
             raise MegaMoEError(f"kernel variant {self.variant.name} was built without counters; set {PROFILE_ENV}=1")
 
 
-_KERNELS: Dict[Tuple[Variant, int, bool, Tuple[str, ...], float], _Kernel] = {}
+_KERNELS: Dict[Tuple[Variant, int, bool, Tuple[str, ...], Tuple[str, float]], _Kernel] = {}
 
 
 def get_kernel(variant: Variant, device: torch.device) -> _Kernel:
     # The diagnostic macros are part of the build, so they are part of the key.
-    key = (variant, device.index, profiling_enabled(), experiment_defines(), ffma_interleave())
+    key = (variant, device.index, profiling_enabled(), experiment_defines(), promotion_hints())
     if key not in _KERNELS:
         _KERNELS[key] = _Kernel(variant, device)
     return _KERNELS[key]

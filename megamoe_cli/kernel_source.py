@@ -207,23 +207,29 @@ def experiment_defines() -> Tuple[str, ...]:
     return tuple(f"MEGAMOE_EXP_{n}" for n in names)
 
 
-ENV_FFMA_INTERLEAVE = "MEGAMOE_FFMA_INTERLEAVE"
-# Share of each promotion FFMA run made switchable after linking (``jit/sass.py``).
-DEFAULT_FFMA_INTERLEAVE = 1.0
+ENV_PROMOTION_HINTS = "MEGAMOE_PROMOTION_HINTS"
+# Scheduling hints of the promotion FFMAs edited after linking (``jit/sass.py``): "off",
+# "<mode>" or "<mode>:<share of each run>" with mode "yield" or "hold".
+DEFAULT_PROMOTION_HINTS = "off"
 
 
-def ffma_interleave() -> float:
-    """``$MEGAMOE_FFMA_INTERLEAVE`` (0 turns the SASS edit off) or the default."""
-    raw = os.environ.get(ENV_FFMA_INTERLEAVE, "").strip()
-    if not raw:
-        return DEFAULT_FFMA_INTERLEAVE
+def promotion_hints() -> Tuple[str, float]:
+    """(mode, fraction) from ``$MEGAMOE_PROMOTION_HINTS`` or the default; fraction 0 = no edit."""
+    from .jit.sass import MODES
+
+    raw = os.environ.get(ENV_PROMOTION_HINTS, "").strip() or DEFAULT_PROMOTION_HINTS
+    if raw == "off":
+        return "off", 0.0
+    mode, _, share = raw.partition(":")
     try:
-        value = float(raw)
+        fraction = float(share) if share else 1.0
     except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise MegaMoEError(f"{ENV_FFMA_INTERLEAVE}: expected a number within [0, 1] (0 = off), got {raw!r}")
-    return value
+        fraction = -1.0
+    if mode not in MODES or not 0.0 <= fraction <= 1.0:
+        raise MegaMoEError(
+            f"{ENV_PROMOTION_HINTS}: expected 'off', a mode of {list(MODES)} or '<mode>:<fraction within [0, 1]>', got {raw!r}"
+        )
+    return mode, fraction
 
 
 def kernel_build_source(variant: Variant, profile: bool = False):

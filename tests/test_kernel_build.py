@@ -14,7 +14,6 @@ from megamoe_cli.heuristics import default_config
 from megamoe_cli.jit import KernelSource, build
 from megamoe_cli.jit.sass import edited_cubin
 from megamoe_cli.kernel_source import (
-    DEFAULT_FFMA_INTERLEAVE,
     KERNEL_NAME,
     MAX_SMEM_BYTES,
     SUPPORTED_BLOCK_M,
@@ -75,14 +74,15 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
         assert entry.stack_frame_bytes == 0, f"{v.name}: {kernel.report.summary()}"
         assert 0 < entry.registers <= 168, f"{v.name}: {entry.registers} registers"
         assert kernel.cubin_path.stat().st_size > 0
-        # The promotion FFMAs are found and edited: one run per WGMMA wait of the main loops
-        # (block_m 128: two halves plus the narrow loop's one; block_m 64: one), 64 FFMAs each,
-        # about half of them carrying the reuse flag and no-yield bit that the edit clears.
-        cubin, edit = edited_cubin(kernel.cubin_path, DEFAULT_FFMA_INTERLEAVE)
-        assert cubin != kernel.cubin_path and cubin.read_bytes() != kernel.cubin_path.read_bytes()
-        assert edit.regions == (3 if v.block_m == 128 else 1), f"{v.name}: {edit}"
-        assert edit.ffma == 64 * edit.regions, f"{v.name}: {edit}"
-        assert edit.ffma // 4 < edit.changed <= edit.ffma // 2, f"{v.name}: {edit}"
+        # The promotion FFMAs are found: one run per WGMMA wait of the main loops (block_m 128:
+        # two halves plus the narrow loop's one; block_m 64: one), 64 FFMAs each, about half of
+        # them with the reuse flag and no-yield bit, half switchable.
+        for mode in ("yield", "hold"):
+            cubin, edit = edited_cubin(kernel.cubin_path, mode, 1.0)
+            assert cubin != kernel.cubin_path and cubin.read_bytes() != kernel.cubin_path.read_bytes()
+            assert edit.regions == (3 if v.block_m == 128 else 1), f"{v.name} {mode}: {edit}"
+            assert edit.ffma == 64 * edit.regions, f"{v.name} {mode}: {edit}"
+            assert edit.ffma // 4 < edit.changed <= edit.ffma // 2 + 2 * edit.regions, f"{v.name} {mode}: {edit}"
 
 
 def test_the_profiling_build_compiles_and_its_counter_names_match_the_kernels_slots(tmp_path, monkeypatch):

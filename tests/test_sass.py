@@ -61,7 +61,7 @@ LOOP = [
     ARRIVE, ffma(1),  # before any wait: not a promotion
     DEPBAR, ffma(10), ffma(11, hint=False), ffma(12), FMUL, ffma(13), ffma(10),  # R10 written twice
     ARRIVE, ffma(20),  # the next WGMMA group ends the region
-    DEPBAR, ffma(30), ffma(31), ffma(32), ffma(33), BRA, ffma(40),  # a branch ends it too
+    DEPBAR, ffma(30), ffma(31, hint=False), ffma(32), ffma(33, hint=False), BRA, ffma(40),  # a branch ends it too
     DEPBAR, ffma(50, op=0x823),  # FFMA with an immediate: not the promotion form
 ]
 
@@ -73,31 +73,47 @@ def test_sections_are_found_by_name():
     assert words(cubin, ".text.megamoe_kernel") == LOOP
 
 
-def test_only_hinted_promotion_ffmas_lose_their_reuse_and_no_yield_bits():
-    cubin = make_cubin({".text.megamoe_kernel": LOOP})
-    patched, report = sass.interleave_promotion_ffma(cubin)
-    assert report == sass.PatchReport(regions=2, ffma=9, changed=7)
+def changed_words(cubin, patched):
     before, after = words(cubin, ".text.megamoe_kernel"), words(patched, ".text.megamoe_kernel")
     changed = {i for i, (a, b) in enumerate(zip(before, after)) if a != b}
-    # R10 (first write), R12, R13, R30..R33; not R11 (no hint), not the second R10, not R1 / R20 /
-    # R40 (outside a region), not the FMUL, not the immediate FFMA.
-    expected = {LOOP.index(ffma(d)) for d in (10, 12, 13, 30, 31, 32, 33)}
-    assert changed == expected
+    (text,) = sass.text_sections(cubin)  # bytes outside the text section are untouched
+    assert patched[: text.offset] == cubin[: text.offset]
+    assert patched[text.offset + text.size:] == cubin[text.offset + text.size:]
+    return before, after, changed
+
+
+def test_yield_clears_reuse_and_no_yield_on_hinted_promotion_ffmas_only():
+    cubin = make_cubin({".text.megamoe_kernel": LOOP})
+    patched, report = sass.edit_promotion_ffma(cubin, "yield")
+    assert report == sass.PatchReport(regions=2, ffma=9, changed=5)
+    before, after, changed = changed_words(cubin, patched)
+    # R10 (first write), R12, R13, R30, R32; not R11 / R31 / R33 (no hint), not the second R10,
+    # not R1 / R20 / R40 (outside a region), not the FMUL, not the immediate-operand FFMA.
+    assert changed == {LOOP.index(ffma(d)) for d in (10, 12, 13, 30, 32)}
     for i in changed:
         (lo0, hi0), (lo1, hi1) = before[i], after[i]
         assert lo0 == lo1 and hi0 ^ hi1 == REUSE_B | NOYIELD and not hi1 & (REUSE_B | NOYIELD)
-    # Bytes outside the text section are untouched.
-    (text,) = sass.text_sections(cubin)
-    assert patched[: text.offset] == cubin[: text.offset]
-    assert patched[text.offset + text.size:] == cubin[text.offset + text.size:]
+
+
+def test_hold_sets_no_yield_on_the_promotion_ffmas_without_it():
+    cubin = make_cubin({".text.megamoe_kernel": LOOP})
+    patched, report = sass.edit_promotion_ffma(cubin, "hold")
+    assert report == sass.PatchReport(regions=2, ffma=9, changed=3)
+    before, after, changed = changed_words(cubin, patched)
+    assert changed == {LOOP.index(ffma(d, hint=False)) for d in (11, 31, 33)}
+    for i in changed:
+        (lo0, hi0), (lo1, hi1) = before[i], after[i]
+        assert lo0 == lo1 and hi1 == hi0 | NOYIELD and not hi1 & REUSE_B
 
 
 def test_fraction_edits_the_leading_part_of_each_run():
     cubin = make_cubin({".text.k": LOOP})
-    _, half = sass.interleave_promotion_ffma(cubin, 0.5)
-    # Runs of 5 and 4 FFMAs: the first 2 of each; hinted among them R10, R30, R31.
-    assert half.changed == 3
-    unchanged, none = sass.interleave_promotion_ffma(cubin, 0.0)
+    _, half = sass.edit_promotion_ffma(cubin, "yield", 0.5)
+    # Runs of 5 and 4 FFMAs: the first 2 of each; hinted among them R10 and R30.
+    assert half.changed == 2
+    _, half = sass.edit_promotion_ffma(cubin, "hold", 0.5)
+    assert half.changed == 2  # R11 and R31
+    unchanged, none = sass.edit_promotion_ffma(cubin, "hold", 0.0)
     assert none.changed == 0 and unchanged == cubin
 
 
@@ -107,20 +123,34 @@ def test_bad_input_is_refused_with_what_was_expected():
     with pytest.raises(MegaMoEError, match="ELF64 little-endian"):
         sass.text_sections(b"\x7fELF\x01\x01" + bytes(80))
     with pytest.raises(MegaMoEError, match="within \\[0, 1\\]"):
-        sass.interleave_promotion_ffma(make_cubin({".text.k": LOOP}), 1.5)
+        sass.edit_promotion_ffma(make_cubin({".text.k": LOOP}), "hold", 1.5)
+    with pytest.raises(MegaMoEError, match="mode must be one of"):
+        sass.edit_promotion_ffma(make_cubin({".text.k": LOOP}), "fast")
 
 
 def test_edited_cubin_is_written_once_beside_the_build_and_replaced_when_stale(tmp_path):
     original = tmp_path / "kernel.cubin"
     original.write_bytes(make_cubin({".text.k": LOOP}))
-    same, report = sass.edited_cubin(original, 0.0)
+    same, report = sass.edited_cubin(original, "off", 0.0)
     assert same == original and report is None
-    path, report = sass.edited_cubin(original, 1.0)
-    assert path == tmp_path / "kernel.ffma1.cubin" and report.changed == 7
+    path, report = sass.edited_cubin(original, "hold", 1.0)
+    assert path == tmp_path / "kernel.hold1.cubin" and report.changed == 3
     expected = path.read_bytes()
-    assert expected == sass.interleave_promotion_ffma(original.read_bytes())[0]
+    assert expected == sass.edit_promotion_ffma(original.read_bytes(), "hold")[0]
     path.write_bytes(expected[:100])  # a truncated leftover is never trusted
-    again, _ = sass.edited_cubin(original, 1.0)
+    again, _ = sass.edited_cubin(original, "hold", 1.0)
     assert again == path and path.read_bytes() == expected
-    half, _ = sass.edited_cubin(original, 0.5)
-    assert half.name == "kernel.ffma0.5.cubin" and half.read_bytes() != expected
+    other, _ = sass.edited_cubin(original, "yield", 0.5)
+    assert other.name == "kernel.yield0.5.cubin" and other.read_bytes() != expected
+
+
+def test_the_environment_names_the_edit(monkeypatch):
+    from megamoe_cli.kernel_source import ENV_PROMOTION_HINTS, promotion_hints
+
+    for raw, expected in (("off", ("off", 0.0)), ("hold", ("hold", 1.0)), ("yield:0.5625", ("yield", 0.5625))):
+        monkeypatch.setenv(ENV_PROMOTION_HINTS, raw)
+        assert promotion_hints() == expected
+    for raw in ("fast", "hold:2", "hold:x"):
+        monkeypatch.setenv(ENV_PROMOTION_HINTS, raw)
+        with pytest.raises(MegaMoEError, match=ENV_PROMOTION_HINTS):
+            promotion_hints()

@@ -2,13 +2,13 @@
 
 After each wait for a warpgroup's WGMMAs (``WARPGROUP.DEPBAR``) the consumer promotes the
 partial accumulators with a run of FFMAs.  ptxas emits that run with half of the FFMAs
-marked "do not yield" (they carry an operand-reuse flag for the next FFMA), so a warp that is
-promoting keeps its scheduler slot for pairs of instructions while the other warpgroup's
-warps wait to issue.  ``interleave_promotion_ffma`` clears the reuse flag and the no-yield
-bit on those FFMAs (the first ``fraction`` of each run), leaving every promotion FFMA
-switchable.  Both bits are hints: the reuse flag only saves a register-file read, and the
-stall counts and scoreboards that order dependent instructions are untouched, so results
-do not change; only the order in which warps issue does.
+marked "do not yield" (they carry an operand-reuse flag for the next FFMA); the others let the
+warp scheduler switch warps.  ``edit_promotion_ffma`` changes that mix on the first
+``fraction`` of each run: ``yield`` makes every promotion FFMA switchable (clearing the reuse
+flags that need the warp to stay), ``hold`` makes none switchable, so the promoting warp
+finishes its run in fewer cycles.  Both bits are hints: the reuse flag only saves a
+register-file read, and the stall counts and scoreboards that order dependent instructions
+are untouched, so results do not change; only the order in which warps issue does.
 
 Encoding facts used (sm_90, 128-bit instructions stored as two little-endian 64-bit words):
 the opcode is the low 12 bits of the first word (FFMA with three register sources 0x223,
@@ -117,15 +117,23 @@ def _promotion_regions(code: bytes | bytearray, section: TextSection) -> List[Li
     return regions
 
 
-def interleave_promotion_ffma(cubin: bytes, fraction: float = 1.0, section_prefix: str = ".text.") -> Tuple[bytes, PatchReport]:
-    """Clear the reuse flag and no-yield bit on promotion FFMAs (the first ``fraction`` of each run).
+MODES = ("yield", "hold")
 
-    Only FFMAs that carry both the operand-B reuse flag and the no-yield bit are edited, and
-    only the first write to each destination register within a run (a later FFMA into the
-    same register is left as ptxas made it).
+
+def edit_promotion_ffma(
+    cubin: bytes, mode: str = "hold", fraction: float = 1.0, section_prefix: str = ".text."
+) -> Tuple[bytes, PatchReport]:
+    """Edit the scheduling hints of the first ``fraction`` of each promotion FFMA run.
+
+    ``yield``: clear the operand-B reuse flag and the no-yield bit where both are set (every
+    FFMA becomes switchable); only the first write to each destination register within a run
+    is edited.  ``hold``: set the no-yield bit where it is clear (the promoting warp keeps its
+    issue slot through the run); reuse flags stay as ptxas made them.
     """
+    if mode not in MODES:
+        raise MegaMoEError(f"edit_promotion_ffma: mode must be one of {list(MODES)}, got {mode!r}")
     if not 0.0 <= fraction <= 1.0:
-        raise MegaMoEError(f"interleave_promotion_ffma: fraction must be within [0, 1], got {fraction!r}")
+        raise MegaMoEError(f"edit_promotion_ffma: fraction must be within [0, 1], got {fraction!r}")
     code = bytearray(cubin)
     regions = ffma = changed = 0
     for section in text_sections(cubin):
@@ -140,15 +148,20 @@ def interleave_promotion_ffma(cubin: bytes, fraction: float = 1.0, section_prefi
                 dst = (low >> 16) & 0xFF
                 first = dst not in seen
                 seen.add(dst)
-                if first and high & REUSE_B_BIT and high & NO_YIELD_BIT:
-                    struct.pack_into("<Q", code, position + 8, high & ~(REUSE_B_BIT | NO_YIELD_BIT))
-                    changed += 1
+                if mode == "yield" and first and high & REUSE_B_BIT and high & NO_YIELD_BIT:
+                    high &= ~(REUSE_B_BIT | NO_YIELD_BIT)
+                elif mode == "hold" and not high & NO_YIELD_BIT:
+                    high |= NO_YIELD_BIT
+                else:
+                    continue
+                struct.pack_into("<Q", code, position + 8, high)
+                changed += 1
     return bytes(code), PatchReport(regions, ffma, changed)
 
 
-def edited_cubin(cubin_path: Path, fraction: float) -> Tuple[Path, Optional[PatchReport]]:
+def edited_cubin(cubin_path: Path, mode: str, fraction: float) -> Tuple[Path, Optional[PatchReport]]:
     """The cubin to load: ``cubin_path`` itself when ``fraction`` is 0, else its promotion-FFMA
-    edit, written once beside it (``kernel.ffma<fraction>.cubin``, atomically) and reused.
+    edit, written once beside it (``kernel.<mode><fraction>.cubin``, atomically) and reused.
 
     The edit is recomputed from the compiled cubin each time (it is cheap), so a stale or
     partial file from another process is replaced, never trusted.
@@ -156,8 +169,8 @@ def edited_cubin(cubin_path: Path, fraction: float) -> Tuple[Path, Optional[Patc
     if not fraction:
         return cubin_path, None
     original = cubin_path.read_bytes()
-    patched, report = interleave_promotion_ffma(original, fraction)
-    target = cubin_path.with_name(f"{cubin_path.stem}.ffma{fraction:g}{cubin_path.suffix}")
+    patched, report = edit_promotion_ffma(original, mode, fraction)
+    target = cubin_path.with_name(f"{cubin_path.stem}.{mode}{fraction:g}{cubin_path.suffix}")
     try:
         current = target.read_bytes()
     except OSError:
