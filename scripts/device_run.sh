@@ -76,7 +76,8 @@ case "$MODE" in
     PY=(python3); [ "${AB_NPROC:-1}" -gt 1 ] && PY=(torchrun --standalone --nproc-per-node "$AB_NPROC")
     for r in 1 2; do
       for v in ${KNOB_VALUES:?set KNOB_VALUES}; do
-        run "timing_${KNOB:?set KNOB}=${v}_$r" 300 env "$KNOB=$v" "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+        tag=$(echo "$v" | tr -c 'A-Za-z0-9.\n' '_')
+        run "timing_knob_${tag}_$r" 300 env "${KNOB:?set KNOB}=$v" "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
       done
     done
     ;;
