@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cycle counters (a separate, slower build)")
+    ap.add_argument("--profile-calls", type=int, default=1,
+                    help="with --profile: calls back to back whose counters are averaged (1: one call after a barrier, "
+                         "which includes the ranks' launch skew; 20: the steady state of a decode loop)")
     ap.add_argument("--b2b", action="store_true",
                     help="also the kernel's device time per call with 20 calls back to back (no host gaps or barriers)")
     ap.add_argument("--host", action="store_true",
@@ -135,7 +138,7 @@ def main() -> None:
             if args.profile:
                 if world > 1:
                     dist.barrier()
-                counters = profile_call(runner)  # every rank takes part in the profiled call
+                counters = profile_call(runner, args.profile_calls)  # every rank takes part in the profiled calls
                 for r in range(world):
                     if world > 1:
                         dist.barrier()
@@ -184,15 +187,17 @@ def host_costs(runner, problem, world: int) -> dict:
     return out
 
 
-def profile_call(runner) -> dict:
-    """Cycle counters of one kernel call (the variant built with MEGAMOE_PROFILE=1)."""
+def profile_call(runner, calls: int = 1) -> dict:
+    """Cycle counters summed over ``calls`` kernel calls back to back (the variant built with
+    MEGAMOE_PROFILE=1); print_profile divides by the warpgroups sampled, so it shows per-call means."""
     from megamoe_cli.fused import get_kernel
     from megamoe_cli.kernel_source import variant_for
 
     kernel = get_kernel(variant_for(runner.buf.config, runner.kernel_cfg), runner.buf.device)
     synchronize(runner.buf)
     kernel.reset_profile()
-    mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+    for _ in range(calls):
+        mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
     synchronize(runner.buf)
     return kernel.read_profile()
 
