@@ -26,17 +26,23 @@ __device__ __forceinline__ void grid_barrier(const Params& p, uint64_t* counter,
         d.check(p, phase, gen + 1, now, 0);
 }
 
-// Cross-rank barrier run by one thread: store `value` into every rank's flag slot for
-// this rank, then wait until every rank's slot here reached it.  Values only grow
+// Cross-rank barrier, in two halves.  rank_signal (one thread of CTA 0): store `value`
+// into every rank's flag slot for this rank.  rank_wait (one thread of every CTA that needs
+// the barrier): wait until every rank's slot here reached it.  Values only grow
 // (epoch * 4 + barrier index), so a fast peer already at a later barrier also passes.
-// NOTES: the system-scope fence before the release stores orders every remote and
-// local write this CTA (and, through the grid barrier before, every CTA) made.
-__device__ __forceinline__ void rank_barrier(const Params& p, uint64_t value, uint32_t phase) {
+// NOTES: the system-scope fence before the release stores orders every remote and local
+// write this CTA (and, through the grid barrier before, every CTA) made; a CTA that acquires
+// every rank's flag, its own rank's included, sees all of them without a second grid barrier.
+__device__ __forceinline__ void rank_signal(const Params& p, uint64_t value) {
     uint64_t* flags = at<uint64_t>(p, p.off_rank_flags);
     __threadfence_system();
     #pragma unroll
     for (uint32_t r = 0; r < kNumRanks; ++r)
         ptx::st_release_sys_u64(map_to_rank(p, flags + p.rank, r), value);
+}
+
+__device__ __forceinline__ void rank_wait(const Params& p, uint64_t value, uint32_t phase) {
+    const uint64_t* flags = at<uint64_t>(p, p.off_rank_flags);
     #pragma unroll
     for (uint32_t r = 0; r < kNumRanks; ++r) {
         Deadline d(p.timeout_ns);

@@ -80,10 +80,11 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
         dispatch_publish(p, dispatch_thread);
         ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
         if (dispatch_thread == 0)
-            rank_barrier(p, s.epoch * 4 + 1, kPhaseCountRankBarrier);
+            rank_signal(p, s.epoch * 4 + 1);
     }
+    // Every CTA acquires the ranks' flags itself (no second grid barrier behind CTA 0's wait).
     if (dispatch_thread == 0)
-        grid_barrier(p, grid_sync + 0, kPhaseCountBarrier);
+        rank_wait(p, s.epoch * 4 + 1, kPhaseCountRankBarrier);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
 
     build_schedule(p, s, dispatch_thread);
@@ -115,8 +116,8 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     if (ct == 0) {
         grid_barrier(p, grid_sync + 2, kPhaseCombineBarrier);
         if (blockIdx.x == 0)
-            rank_barrier(p, ss.schedule.epoch * 4 + 2, kPhaseCombineRankBarrier);
-        grid_barrier(p, grid_sync + 2, kPhaseCombineBarrier);
+            rank_signal(p, ss.schedule.epoch * 4 + 2);
+        rank_wait(p, ss.schedule.epoch * 4 + 2, kPhaseCombineRankBarrier);
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); })
@@ -162,8 +163,9 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         }
         ptx::fence_mbarrier_init();
         ptx::fence_proxy_async_shared();
-        if (blockIdx.x == 0)
-            ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[4];
+        // Every CTA's copy: its rank waits need it.  Block 0 advances it only at the very end,
+        // after the combine grid barrier that every CTA reaches after reading it here.
+        ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[4];
         ptx::tma_prefetch_desc(&p.tmap_l1_a);
         ptx::tma_prefetch_desc(&p.tmap_l1_b);
         ptx::tma_prefetch_desc(&p.tmap_l2_a);
