@@ -101,20 +101,14 @@ struct TileSource {
     }
 };
 
-// K blocks of a waiting L2 tile's B brought into L2 beyond the stages it fills ahead (8 x 32 KiB:
-// at most ~34 MB when every CTA waits at once, under the 50 MB L2).
-constexpr uint32_t kL2PrefetchKBlocks = 8;
-
-// TMA producer (one thread).  Streams A, A scales and B through the stage ring once a tile's
-// rows are in the pool (B of the first stages already before: see below); every stage carries
-// its decoded tile (pack_tile), and a stage without data ends the loop.  With clusters, each CTA loads its own A block and one part
+// TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams A,
+// A scales and B through the stage ring; every stage carries its decoded tile (pack_tile), and a stage
+// without data ends the loop.  With clusters, each CTA loads its own A block and one part
 // of B, multicast to every CTA of the cluster; the empty barriers count the consumers of
 // all of them, since a multicast overwrites the stage everywhere.
 // NOTES: tiles are taken in increasing order and each CTA finishes them in the order it
 // took them; an L2 tile only waits for L1 tiles, which were all taken before it, so the
-// waits cannot form a cycle.  Stages filled ahead with B only hold slots of this CTA (and, with
-// clusters, of its peers, which take the same tiles), never slots an earlier tile still needs.
-
+// waits cannot form a cycle.
 __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss, uint32_t cluster_rank) {
     const Schedule& s = ss.schedule;
     const uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
@@ -138,6 +132,23 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         }
         const Tile tile = decode_tile(s, t, cluster_rank);
         const uint4 packed = pack_tile(t, tile);
+        if (tile.valid) {
+            // Wait until the tile's A rows landed
+            const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
+            const uint32_t target = tile.is_l2 ? kNumL1NTiles : tile.rows;
+            MEGAMOE_PROF(const uint64_t prof_t0 = clock64();)
+            uint32_t now = ptx::ld_acquire_gpu_u32(counter);
+            MEGAMOE_PROF(prof_arrival += clock64() - prof_t0;)
+            if (now < target) {
+                MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
+                Deadline d(p.timeout_ns);
+                while ((now = ptx::ld_acquire_gpu_u32(counter)) < target)
+                    d.check(p, tile.is_l2 ? kPhaseL2Arrival : kPhaseL1Arrival, target, now, tile.block);
+                MEGAMOE_PROF(prof_arrival += clock64() - prof_t1;)
+            }
+            ptx::fence_proxy_async_global();
+        }
+
         const CUtensorMap* tmap_a = tile.is_l2 ? &p.tmap_l2_a : &p.tmap_l1_a;
         const CUtensorMap* tmap_sfa = tile.is_l2 ? &p.tmap_l2_sfa : &p.tmap_l1_sfa;
         const CUtensorMap* tmap_b = tile.is_l2 ? &p.tmap_l2_b : &p.tmap_l1_b;
@@ -156,19 +167,11 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
                              (static_cast<uint64_t>(tile.expert) * (2 * kIntermediate / 128) + 2 * tile.n) *
                                  kNumL1KBlocks * 2;
         const uint32_t sfb_half_stride = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks * 2;
-        auto b_row = [&](uint32_t kb) {
-#ifdef MEGAMOE_EXP_SAME_B  // diagnostic: B from two L2-hot stages (wrong results)
-            return static_cast<int32_t>((kb % 2) * kBlockN + cluster_rank * kBPartRows);
-#else
-            return static_cast<int32_t>((b_first + kb) * kBlockN + cluster_rank * kBPartRows);
-#endif
-        };
-        // A stage's B part: wait for the slot, hand over the tile, B scales, the byte count
-        // (A's included for a valid tile), then B itself.
-        auto issue_b = [&](uint32_t kb, uint32_t iter) {
-            const uint32_t stage = iter % kNumStages;
+        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+            const uint32_t stage = it % kNumStages;
+            const uint32_t phase = (it / kNumStages) & 1;
             MEGAMOE_PROF(const uint64_t prof_t2 = clock64();)
-            mbar_wait(p, &ss.empty[stage], ((iter / kNumStages) & 1) ^ 1);
+            mbar_wait(p, &ss.empty[stage], phase ^ 1);
             MEGAMOE_PROF(prof_empty += clock64() - prof_t2;)
             ss.stage_tile[stage] = packed;
             if (tile.valid) {
@@ -182,56 +185,25 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
                 ptx::cp_async_mbar_arrive(&ss.full[stage]);
             }
             ptx::mbar_arrive_expect_tx(&ss.full[stage], tile.valid ? kStageTxBytes : kSmemBBytes);
+            if (tile.valid) {
+#ifdef MEGAMOE_EXP_SAME_A  // diagnostic: A from two L2-hot blocks (wrong results)
+                ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], (kb % 2) * kBlockK, 0);
+#else
+                ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
+#endif
+                ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
+            }
+#ifdef MEGAMOE_EXP_SAME_B  // diagnostic: B from two L2-hot stages (wrong results)
+            const int32_t b_row = static_cast<int32_t>((kb % 2) * kBlockN + cluster_rank * kBPartRows);
+#else
+            const int32_t b_row = static_cast<int32_t>((b_first + kb) * kBlockN + cluster_rank * kBPartRows);
+#endif
             if constexpr (kClusterM == 1) {
-                ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], 0, b_row(kb));
+                ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], 0, b_row);
             } else {
                 ptx::tma_load_2d_multicast(ss.b[stage] + cluster_rank * kBPartRows * kBlockK, tmap_b, &ss.full[stage],
-                                           0, b_row(kb), static_cast<uint16_t>((1u << kClusterM) - 1));
+                                           0, b_row, static_cast<uint16_t>((1u << kClusterM) - 1));
             }
-        };
-        auto issue_a = [&](uint32_t kb, uint32_t stage) {
-#ifdef MEGAMOE_EXP_SAME_A  // diagnostic: A from two L2-hot blocks (wrong results)
-            ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], (kb % 2) * kBlockK, 0);
-#else
-            ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
-#endif
-            ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
-        };
-
-        // A tile whose A rows have not landed yet (pulled rows, or an L2 tile's L1 outputs)
-        // still streams its weights meanwhile: the first stages get their B part now and
-        // their A part once the rows are there; an L2 tile also brings the next K blocks of
-        // its B into L2.  The stages' full barriers complete only with A, as before.
-        uint32_t ahead = 0;
-        if (tile.valid) {
-            const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
-            const uint32_t target = tile.is_l2 ? kNumL1NTiles : tile.rows;
-            MEGAMOE_PROF(const uint64_t prof_t0 = clock64();)
-            uint32_t now = ptx::ld_acquire_gpu_u32(counter);
-            MEGAMOE_PROF(prof_arrival += clock64() - prof_t0;)
-            if (now < target) {
-                ahead = min(num_k, kNumStages);
-                for (uint32_t kb = 0; kb < ahead; ++kb)
-                    issue_b(kb, it + kb);
-                if (tile.is_l2)
-                    for (uint32_t kb = ahead; kb < min(num_k, ahead + kL2PrefetchKBlocks); ++kb)
-                        ptx::tma_prefetch_2d(tmap_b, 0, b_row(kb));
-                MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
-                Deadline d(p.timeout_ns);
-                while ((now = ptx::ld_acquire_gpu_u32(counter)) < target)
-                    d.check(p, tile.is_l2 ? kPhaseL2Arrival : kPhaseL1Arrival, target, now, tile.block);
-                MEGAMOE_PROF(prof_arrival += clock64() - prof_t1;)
-            }
-            ptx::fence_proxy_async_global();
-            for (uint32_t kb = 0; kb < ahead; ++kb)
-                issue_a(kb, (it + kb) % kNumStages);
-        }
-        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-            if (kb < ahead)
-                continue;  // issued above
-            issue_b(kb, it);
-            if (tile.valid)
-                issue_a(kb, it % kNumStages);
         }
     }
 }
