@@ -33,3 +33,21 @@ def test_decode_with_every_expert_touched_stays_near_the_floor():
     floor = 128 * EXPERT_BYTES / 4.3e12
     t = model.simulate(128, per_cta=90e9, tile_overhead_s=0.0)
     assert floor <= t < 1.05 * floor
+
+
+@pytest.mark.parametrize("experts", [1, 10, 128])
+def test_serving_l1_streams_first_keeps_the_bounds(experts):
+    floor = experts * EXPERT_BYTES / 4.3e12
+    t = model.simulate(experts, per_cta=90e9, l1_first=True)
+    assert t >= floor
+    # One expert: nothing to prioritise against (its L2 tiles wait for all of its L1 tiles).
+    if experts == 1:
+        assert t == pytest.approx(model.simulate(1, per_cta=90e9), rel=1e-9)
+
+
+def test_l1_first_changes_how_a_mixed_phase_shares_hbm():
+    # 10 experts: 160 L1 tiles on 132 CTAs, so the last L1 tiles run beside L2 tiles; the two
+    # sharing rules must give different schedules (the notes compare them).
+    equal = model.simulate(10, per_cta=40e9)
+    first = model.simulate(10, per_cta=40e9, l1_first=True)
+    assert first != pytest.approx(equal, rel=1e-3)
