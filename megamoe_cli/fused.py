@@ -23,15 +23,17 @@ import torch.distributed as dist
 
 from .errors import MegaMoEError, MegaMoETimeout
 from .kernel_source import (
+    ENV_EXPERIMENT,
+    ENV_PROMOTION_HINTS,
     KERNEL_NAME,
     NUM_THREADS,
     KernelConfig,
     Variant,
     experiment_defines,
-    promotion_hints,
     kernel_build_source,
     pack_params,
     param_offset,
+    promotion_hints,
     smem_bytes,
     variant_for,
 )
@@ -506,7 +508,7 @@ def mega_moe(
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
     # Plans live on the buffer (they die with it); weight addresses, shapes, strides and dtypes
     # (not object ids, which are reused) identify a validated plan.
-    key = (config, os.environ.get(ENV_TIMEOUT),
+    key = (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS),
            *((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (l1.weight, l1.scale, l2.weight, l2.scale)))
     plan = buf.plans.get(key)
     if plan is None:
@@ -638,6 +640,11 @@ class _FusedRunner:
         self.graph = graph
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.config = {**kernel_cfg.to_dict(), "config_source": source, "graph": graph}
+        # Diagnostic builds and edits are named in every row they produce.
+        if experiment_defines():
+            self.config["experiment"] = os.environ.get(ENV_EXPERIMENT, "")
+        if promotion_hints()[1]:
+            self.config["promotion_hints"] = os.environ.get(ENV_PROMOTION_HINTS, "")
 
     def __call__(self) -> torch.Tensor:
         if not self.graph:

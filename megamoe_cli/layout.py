@@ -194,7 +194,7 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
     ),
     "rank_flags": (
         "peer r stores slot r (st.release.sys, monotonic epoch)",
-        "local CTA 0 (ld.acquire.sys spin)",
+        "every local CTA (ld.acquire.sys spin, one thread each)",
         "never: values only grow",
     ),
     "expert_send_count": (

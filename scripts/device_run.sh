@@ -6,6 +6,8 @@
 # mainloop [args]: the main-loop microbenchmark (microsweep: under each operand source); ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
 # AB_SKIP_TESTS, AB_NPROC=N: an expert-parallel layer over N GPUs, AB_ARGS: more profile_fused.py options); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B|PULL1 (timing only)
+# knob: KNOB=<environment variable> KNOB_VALUES="<v1> <v2> ..." timed alternately in this one tree, each value
+# checked by the quick fused tier first (e.g. KNOB=MEGAMOE_PROMOTION_HINTS KNOB_VALUES="off yield hold")
 set -uo pipefail
 MODE=${1:-quick}
 shift || true
@@ -69,15 +71,22 @@ case "$MODE" in
     done
     ;;
   knob)  # A/B of an environment knob in this tree: KNOB=<variable> KNOB_VALUES="<v1> <v2> ..." timed
-          # alternately, twice, after the quick fused tier at the knob's default (AB_TOKENS, AB_CONFIGS,
-          # AB_SKIP_TESTS, AB_NPROC, AB_ARGS as in ab)
+          # alternately, twice, after the quick fused tier at each value (AB_TOKENS, AB_CONFIGS,
+          # AB_SKIP_TESTS, AB_NPROC, AB_ARGS as in ab); logs timing_knob_<index>_<value>_<round>
     export MEGAMOE_GPU_QUICK=1
-    [ -z "${AB_SKIP_TESTS:-}" ] && run gpu_ws1 300 python3 -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
+    : "${KNOB:?set KNOB}" "${KNOB_VALUES:?set KNOB_VALUES}"
+    tag() { echo "$1" | tr -c 'A-Za-z0-9.\n' '_'; }
+    i=0
+    for v in $KNOB_VALUES; do
+      i=$((i + 1))
+      [ -z "${AB_SKIP_TESTS:-}" ] && run "gpu_ws1_knob_${i}_$(tag "$v")" 300 env "$KNOB=$v" python3 -m pytest tests/gpu/test_fused.py -x -q -s -p no:cacheprovider
+    done
     PY=(python3); [ "${AB_NPROC:-1}" -gt 1 ] && PY=(torchrun --standalone --nproc-per-node "$AB_NPROC")
     for r in 1 2; do
-      for v in ${KNOB_VALUES:?set KNOB_VALUES}; do
-        tag=$(echo "$v" | tr -c 'A-Za-z0-9.\n' '_')
-        run "timing_knob_${tag}_$r" 300 env "${KNOB:?set KNOB}=$v" "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+      i=0
+      for v in $KNOB_VALUES; do
+        i=$((i + 1))
+        run "timing_knob_${i}_$(tag "$v")_$r" 300 env "$KNOB=$v" "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
       done
     done
     ;;

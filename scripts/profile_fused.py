@@ -45,6 +45,10 @@ def main() -> None:
                          "layer call (one launch with the inputs given), a buf.fill input copy for comparison "
                          "and a graph replay")
     args = ap.parse_args()
+    if args.profile_calls < 1:
+        ap.error(f"--profile-calls must be at least 1, got {args.profile_calls}")
+    if args.profile_calls != 1 and not args.profile:
+        ap.error("--profile-calls needs --profile (it sets how many calls the cycle counters average)")
     if args.profile:
         os.environ["MEGAMOE_PROFILE"] = "1"
     shape = preset(args.preset)

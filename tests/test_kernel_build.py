@@ -105,7 +105,9 @@ def test_the_profiling_build_compiles_and_its_counter_names_match_the_kernels_sl
     v = Variant(PRESETS["small"], 2, 64, 64, 4, 1)
     source = generate_source(v, profile=True)
     assert "#define MEGAMOE_PROFILE 1" in source and "MEGAMOE_PROFILE" not in generate_source(v)
-    (built,) = build([KernelSource(name=v.name + "_profile", source=source, include_dirs=(str(csrc_dir()),))])
+    built_source = kernel_build_source(v, profile=True)
+    assert built_source.name == v.name + "_profile" and built_source.source == source
+    (built,) = build([built_source])
     assert b"megamoe_profile" in built.cubin_path.read_bytes()
 
 

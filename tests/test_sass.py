@@ -85,11 +85,12 @@ def changed_words(cubin, patched):
 def test_yield_clears_reuse_and_no_yield_on_hinted_promotion_ffmas_only():
     cubin = make_cubin({".text.megamoe_kernel": LOOP})
     patched, report = sass.edit_promotion_ffma(cubin, "yield")
-    assert report == sass.PatchReport(regions=2, ffma=9, changed=5)
+    assert report == sass.PatchReport(regions=2, ffma=9, changed=6)
     before, after, changed = changed_words(cubin, patched)
-    # R10 (first write), R12, R13, R30, R32; not R11 / R31 / R33 (no hint), not the second R10,
-    # not R1 / R20 / R40 (outside a region), not the FMUL, not the immediate-operand FFMA.
-    assert changed == {LOOP.index(ffma(d)) for d in (10, 12, 13, 30, 32)}
+    # R10 (both writes), R12, R13, R30, R32; not R11 / R31 / R33 (no hint), not R1 / R20 / R40
+    # (outside a region), not the FMUL, not the immediate-operand FFMA.
+    second_r10 = len(LOOP) - 1 - LOOP[::-1].index(ffma(10))
+    assert changed == {LOOP.index(ffma(d)) for d in (10, 12, 13, 30, 32)} | {second_r10}
     for i in changed:
         (lo0, hi0), (lo1, hi1) = before[i], after[i]
         assert lo0 == lo1 and hi0 ^ hi1 == REUSE_B | NOYIELD and not hi1 & (REUSE_B | NOYIELD)
@@ -122,6 +123,14 @@ def test_bad_input_is_refused_with_what_was_expected():
         sass.text_sections(b"not a cubin" * 10)
     with pytest.raises(MegaMoEError, match="ELF64 little-endian"):
         sass.text_sections(b"\x7fELF\x01\x01" + bytes(80))
+    good = make_cubin({".text.k": LOOP})
+    shoff = struct.unpack_from("<Q", good, 0x28)[0]
+    with pytest.raises(MegaMoEError, match="expected a section table .* inside the file's"):
+        sass.text_sections(good[:shoff + 64])  # the table cut short
+    bad_index = bytearray(good)
+    struct.pack_into("<H", bad_index, 0x3E, 9)
+    with pytest.raises(MegaMoEError, match="section-name table index below 3, got 9"):
+        sass.text_sections(bytes(bad_index))
     with pytest.raises(MegaMoEError, match="within \\[0, 1\\]"):
         sass.edit_promotion_ffma(make_cubin({".text.k": LOOP}), "hold", 1.5)
     with pytest.raises(MegaMoEError, match="mode must be one of"):
@@ -134,14 +143,27 @@ def test_edited_cubin_is_written_once_beside_the_build_and_replaced_when_stale(t
     same, report = sass.edited_cubin(original, "off", 0.0)
     assert same == original and report is None
     path, report = sass.edited_cubin(original, "hold", 1.0)
-    assert path == tmp_path / "kernel.hold1.cubin" and report.changed == 3
+    assert path == tmp_path / "kernel.hold1.0.cubin" and report.changed == 3
     expected = path.read_bytes()
     assert expected == sass.edit_promotion_ffma(original.read_bytes(), "hold")[0]
+    stamp = (path.stat().st_ino, path.stat().st_mtime_ns)
+    again, _ = sass.edited_cubin(original, "hold", 1.0)  # up to date: left alone
+    assert again == path and (path.stat().st_ino, path.stat().st_mtime_ns) == stamp
     path.write_bytes(expected[:100])  # a truncated leftover is never trusted
     again, _ = sass.edited_cubin(original, "hold", 1.0)
     assert again == path and path.read_bytes() == expected
     other, _ = sass.edited_cubin(original, "yield", 0.5)
     assert other.name == "kernel.yield0.5.cubin" and other.read_bytes() != expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernel.cubin", "kernel.hold1.0.cubin", "kernel.yield0.5.cubin"]
+
+
+def test_an_edit_that_changes_nothing_is_refused(tmp_path):
+    # No promotion runs at all (a compiler that encodes them differently looks like this).
+    bare = tmp_path / "kernel.cubin"
+    bare.write_bytes(make_cubin({".text.k": [ARRIVE, ffma(1), BRA]}))
+    with pytest.raises(MegaMoEError, match="changed nothing.*MEGAMOE_PROMOTION_HINTS=off"):
+        sass.edited_cubin(bare, "yield", 1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernel.cubin"]
 
 
 def test_the_environment_names_the_edit(monkeypatch):

@@ -18,8 +18,9 @@ __device__ __forceinline__ void grid_barrier(const Params& p, uint64_t* counter,
         ptx::atom_add_release_gpu_u64(counter + 1, 1);
         return;
     }
-    // Twice the deadline: a grid barrier behind a cross-rank barrier must not fire first,
-    // so the diagnostic names the rank barrier (and the rank) that is really stuck.
+    // Twice the deadline: the CTAs this barrier waits for may be stuck in a timed wait of their
+    // own (the tile pipeline, an arrival, a pull); that wait's diagnostic names the real cause,
+    // so it must fire first.
     Deadline d(2 * p.timeout_ns);
     uint64_t now;
     while ((now = ptx::ld_acquire_gpu_u64(counter + 1)) == gen)

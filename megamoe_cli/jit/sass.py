@@ -1,14 +1,15 @@
 """Post-link edit of a cubin's sm_90 SASS: scheduling hints on the promotion FFMAs.
 
 After each wait for a warpgroup's WGMMAs (``WARPGROUP.DEPBAR``) the consumer promotes the
-partial accumulators with a run of FFMAs.  ptxas emits that run with half of the FFMAs
-marked "do not yield" (they carry an operand-reuse flag for the next FFMA); the others let the
-warp scheduler switch warps.  ``edit_promotion_ffma`` changes that mix on the first
-``fraction`` of each run: ``yield`` makes every promotion FFMA switchable (clearing the reuse
-flags that need the warp to stay), ``hold`` makes none switchable, so the promoting warp
-finishes its run in fewer cycles.  Both bits are hints: the reuse flag only saves a
-register-file read, and the stall counts and scoreboards that order dependent instructions
-are untouched, so results do not change; only the order in which warps issue does.
+partial accumulators with a run of FFMAs.  ptxas emits that run with about half of the FFMAs
+marked "do not yield", nearly all of them carrying an operand-reuse flag for the next FFMA; the
+others let the warp scheduler switch warps.  ``edit_promotion_ffma`` changes that mix on the
+first ``fraction`` of each run: ``yield`` clears the no-yield bit on the FFMAs that also carry
+the reuse flag (and the flag, which needs the warp to stay), ``hold`` sets the no-yield bit on
+every FFMA without it.  Both bits are hints: the reuse flag only saves a register-file read, and
+the stall counts and scoreboards that order dependent instructions are untouched, so results do
+not change; only the order in which warps issue does.  Measured slower both ways
+(docs/PERF_NOTES.md entry 38): a diagnostic, off by default.
 
 Encoding facts used (sm_90, 128-bit instructions stored as two little-endian 64-bit words):
 the opcode is the low 12 bits of the first word (FFMA with three register sources 0x223,
@@ -27,6 +28,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from ..errors import MegaMoEError
 from ..files import atomic_write
+from .build import _TEMP_MARK
 
 OP_MASK = 0xFFF
 OP_FFMA_RRR = 0x223
@@ -51,10 +53,7 @@ class TextSection:
 class PatchReport:
     regions: int  # promotion regions found (one per WARPGROUP.DEPBAR followed by FFMAs)
     ffma: int  # FFMAs in those regions
-    changed: int  # FFMAs whose reuse flag and no-yield bit were cleared
-
-    def to_dict(self) -> dict:
-        return {"regions": self.regions, "ffma": self.ffma, "changed": self.changed}
+    changed: int  # FFMAs whose hint bits the edit changed
 
 
 def text_sections(cubin: bytes) -> List[TextSection]:
@@ -65,23 +64,40 @@ def text_sections(cubin: bytes) -> List[TextSection]:
         raise MegaMoEError(f"cubin: expected ELF64 little-endian, got class {cubin[4]} data {cubin[5]}")
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    if shentsize != 64 or shoff + shnum * 64 > len(cubin) or shstrndx >= shnum:
-        raise MegaMoEError(f"cubin: malformed section table (offset {shoff}, {shnum} entries of {shentsize} B)")
+    if shentsize != 64:
+        raise MegaMoEError(f"cubin: expected 64-byte ELF64 section headers, got {shentsize}-byte ones")
+    if shnum == 0 or shoff + shnum * 64 > len(cubin):
+        raise MegaMoEError(
+            f"cubin: expected a section table of 1 or more entries inside the file's {len(cubin)} bytes, "
+            f"got {shnum} entries at offset {shoff}"
+        )
+    if shstrndx >= shnum:
+        raise MegaMoEError(f"cubin: expected the section-name table index below {shnum}, got {shstrndx}")
 
     def header(index: int) -> Tuple[int, int, int, int]:
         name, kind, _flags, _addr, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + index * 64)
         return name, kind, offset, size
 
     _, _, str_offset, str_size = header(shstrndx)
+    if str_offset + str_size > len(cubin):
+        raise MegaMoEError(
+            f"cubin: the section-name table ({str_size} B at {str_offset}) lies outside the file's {len(cubin)} bytes"
+        )
     names = cubin[str_offset : str_offset + str_size]
     sections = []
     for index in range(shnum):
         name_offset, kind, offset, size = header(index)
         end = names.find(b"\0", name_offset)
+        if end < 0:
+            raise MegaMoEError(f"cubin: section {index}'s name at {name_offset} has no terminating NUL in the name table")
         name = names[name_offset:end].decode("ascii", "replace")
         if name.startswith(".text.") and kind == 1:  # SHT_PROGBITS
-            if offset + size > len(cubin) or size % 16:
-                raise MegaMoEError(f"cubin: section {name} ({size} B at {offset}) is not whole 16-byte instructions")
+            if offset + size > len(cubin):
+                raise MegaMoEError(
+                    f"cubin: section {name} ({size} B at {offset}) lies outside the file's {len(cubin)} bytes"
+                )
+            if size % 16:
+                raise MegaMoEError(f"cubin: section {name} is {size} B, expected whole 16-byte instructions")
             sections.append(TextSection(name, offset, size))
     return sections
 
@@ -120,16 +136,9 @@ def _promotion_regions(code: bytes | bytearray, section: TextSection) -> List[Li
 MODES = ("yield", "hold")
 
 
-def edit_promotion_ffma(
-    cubin: bytes, mode: str = "hold", fraction: float = 1.0, section_prefix: str = ".text."
-) -> Tuple[bytes, PatchReport]:
-    """Edit the scheduling hints of the first ``fraction`` of each promotion FFMA run.
-
-    ``yield``: clear the operand-B reuse flag and the no-yield bit where both are set (every
-    FFMA becomes switchable); only the first write to each destination register within a run
-    is edited.  ``hold``: set the no-yield bit where it is clear (the promoting warp keeps its
-    issue slot through the run); reuse flags stay as ptxas made them.
-    """
+def edit_promotion_ffma(cubin: bytes, mode: str = "hold", fraction: float = 1.0) -> Tuple[bytes, PatchReport]:
+    """Edit the scheduling hints of the first ``fraction`` of each promotion FFMA run (see the
+    module docstring for ``mode``); returns the edited cubin and what was found and changed."""
     if mode not in MODES:
         raise MegaMoEError(f"edit_promotion_ffma: mode must be one of {list(MODES)}, got {mode!r}")
     if not 0.0 <= fraction <= 1.0:
@@ -137,18 +146,11 @@ def edit_promotion_ffma(
     code = bytearray(cubin)
     regions = ffma = changed = 0
     for section in text_sections(cubin):
-        if not section.name.startswith(section_prefix):
-            continue
         for run in _promotion_regions(code, section):
             regions += 1
             ffma += len(run)
-            limit = int(len(run) * fraction)
-            seen = set()
-            for position, low, high in run[:limit]:
-                dst = (low >> 16) & 0xFF
-                first = dst not in seen
-                seen.add(dst)
-                if mode == "yield" and first and high & REUSE_B_BIT and high & NO_YIELD_BIT:
+            for position, _low, high in run[: int(len(run) * fraction)]:
+                if mode == "yield" and high & REUSE_B_BIT and high & NO_YIELD_BIT:
                     high &= ~(REUSE_B_BIT | NO_YIELD_BIT)
                 elif mode == "hold" and not high & NO_YIELD_BIT:
                     high |= NO_YIELD_BIT
@@ -161,20 +163,28 @@ def edit_promotion_ffma(
 
 def edited_cubin(cubin_path: Path, mode: str, fraction: float) -> Tuple[Path, Optional[PatchReport]]:
     """The cubin to load: ``cubin_path`` itself when ``fraction`` is 0, else its promotion-FFMA
-    edit, written once beside it (``kernel.<mode><fraction>.cubin``, atomically) and reused.
+    edit, written beside it (``kernel.<mode><fraction>.cubin``, atomically) and reused.
 
-    The edit is recomputed from the compiled cubin each time (it is cheap), so a stale or
-    partial file from another process is replaced, never trusted.
+    The edit is recomputed from the compiled cubin each time (it is cheap): a stale or partial
+    file is replaced, never trusted, and an up-to-date one is left alone.  An edit that finds or
+    changes nothing is refused, so an experiment never times the unedited kernel by mistake.
     """
     if not fraction:
         return cubin_path, None
     original = cubin_path.read_bytes()
     patched, report = edit_promotion_ffma(original, mode, fraction)
-    target = cubin_path.with_name(f"{cubin_path.stem}.{mode}{fraction:g}{cubin_path.suffix}")
+    if report.regions == 0 or report.changed == 0:
+        raise MegaMoEError(
+            f"promotion hints '{mode}' (fraction {fraction!r}) changed nothing in {cubin_path}: {report}; expected "
+            "FFMA runs after WARPGROUP.DEPBAR with hints to edit (a new ptxas may encode them differently); "
+            "set MEGAMOE_PROMOTION_HINTS=off"
+        )
+    target = cubin_path.with_name(f"{cubin_path.stem}.{mode}{fraction!r}{cubin_path.suffix}")
     try:
         current = target.read_bytes()
     except OSError:
         current = None
     if current != patched:
-        atomic_write(target, lambda tmp: Path(tmp).write_bytes(patched))
+        # Named like the JIT's own temporaries, so a killed writer's leftover is swept with them.
+        atomic_write(target, lambda tmp: Path(tmp).write_bytes(patched), prefix=target.name + _TEMP_MARK)
     return target, report
