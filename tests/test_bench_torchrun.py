@@ -11,6 +11,7 @@ import os
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -276,6 +277,80 @@ def test_time_calls_barrier_precedes_every_timed_call_and_flush_stays_outside():
     assert results == [len(log)]
     stats = Stats.of([5.0, 1.0, 3.0])
     assert (stats.median_us, stats.min_us, stats.max_us) == (3.0, 1.0, 5.0)
+
+
+def test_time_calls_times_calls_per_sample_back_to_back_and_reports_per_call(monkeypatch):
+    from megamoe_cli.bench import timing
+    from megamoe_cli.bench.timing import time_calls
+
+    clock = [0.0]  # a fake perf_counter: only a call advances it, by 3 ms + 1 ms per log entry so far
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    log = []
+    results = []
+
+    def call():
+        log.append("call")
+        clock[0] += 0.003 + 0.001 * len(log)
+        return len(log)
+
+    times = time_calls(
+        call, warmup=1, iters=2, device="cpu", calls_per_sample=3,
+        barrier=lambda: log.append("barrier"), flush=lambda: log.append("flush"), on_result=results.append,
+    )
+    assert log == ["call"] + ["flush", "barrier", "call", "call", "call"] * 2
+    # Sample 1 holds calls 2..4 of the log (entries 4, 5, 6: 7+8+9 ms); sample 2 entries 9..11 (12+13+14 ms).
+    assert times == pytest.approx([(7 + 8 + 9) * 1e3 / 3, (12 + 13 + 14) * 1e3 / 3], rel=1e-12)
+    assert results == [len(log)]  # the last call's result
+
+
+def test_time_calls_default_is_one_call_per_sample(monkeypatch):
+    from megamoe_cli.bench import timing
+    from megamoe_cli.bench.timing import time_calls
+
+    clock = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    log = []
+
+    def call():
+        log.append("call")
+        clock[0] += 0.005
+        return None
+
+    times = time_calls(call, warmup=0, iters=2, device="cpu", barrier=lambda: log.append("barrier"))
+    assert log == ["barrier", "call"] * 2
+    assert times == pytest.approx([5000.0, 5000.0], rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_time_calls_refuses_calls_per_sample_below_one(bad):
+    from megamoe_cli.bench.timing import time_calls
+
+    calls = []
+    with pytest.raises(ValueError) as info:
+        time_calls(lambda: calls.append(1), warmup=1, iters=1, device="cpu", barrier=lambda: None,
+                   calls_per_sample=bad)
+    assert str(info.value) == f"calls_per_sample must be an integer >= 1, got {bad!r}"
+    assert calls == []  # refused before any call
+
+
+def test_worker_times_each_sample_as_the_points_calls_per_sample_calls():
+    from megamoe_cli.bench.worker import Worker
+
+    point = load_sweep_text(
+        "name: t\nshape: {preset: small}\nnum_tokens: [4]\nbackends: [torch]\n"
+        "warmup: 1\niters: 2\ncalls_per_sample: 3\n"
+    ).points[0]
+    log = []
+
+    def runner():
+        log.append("call")
+        return len(log)
+
+    worker = SimpleNamespace(barrier=lambda: log.append("barrier"), device_kind="cpu", flusher=None)
+    state = {"point": point, "runner": runner}
+    Worker._phase_timing(worker, state)
+    assert log == ["call"] + ["barrier", "call", "call", "call"] * 2
+    assert state["y"] == len(log)
 
 
 def test_relative_error():

@@ -284,6 +284,19 @@ def test_bench_runs_on_cpu_ranks_and_records_rows(tmp_path):
     assert list(saved["run_id"]) == [row["run_id"]]
 
 
+def test_bench_calls_per_sample_on_cpu_ranks_records_it_in_every_row(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    result = run("bench", "--device", "cpu", "--preset", "small", "--tokens", "8", "--backend", "torch",
+                 "--warmup", "0", "--iters", "2", "--calls-per-sample", "2", "--out", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [(r["status"], r["iters"], r["calls_per_sample"]) for r in rows] == [("ok", 2, 2)]
+    assert rows[0]["time_us_median"] > 0
+    from megamoe_cli.bench.results import read_results
+
+    assert list(read_results(out)["calls_per_sample"]) == [2]
+
+
 class FakeRun:
     """Stands in for launcher.run_bench: records the points, returns one ok row per point."""
 
@@ -342,7 +355,17 @@ def test_bench_flags_override_the_defaults(fake_cpu_run, tmp_path):
     points = call["points"]
     assert sorted({p.num_tokens for p in points}) == [4, 32]
     assert {(p.hidden, p.num_experts, p.iters) for p in points} == {(512, 16, 3)}
+    assert {p.calls_per_sample for p in points} == {1}  # not given: one call per sample, as before
     assert call["nproc"] == 4
+
+
+def test_bench_calls_per_sample_flag_reaches_every_point(fake_cpu_run, tmp_path):
+    result = run("bench", "--tokens", "1,32", "--backend", "torch,reference", "--calls-per-sample", "20",
+                 "--out", str(tmp_path / "r.csv"))
+    assert result.exit_code == 0, result.output
+    (call,) = fake_cpu_run.calls
+    assert len(call["points"]) == 4
+    assert {(p.iters, p.calls_per_sample) for p in call["points"]} == {(20, 20)}
 
 
 def test_bench_reads_a_sweep_file(fake_cpu_run, tmp_path):
@@ -367,6 +390,9 @@ def test_bench_sweep_and_point_flags_conflict(fake_cpu_run, tmp_path):
     sweep = tmp_path / "s.yaml"
     sweep.write_text("name: s\nshape: {preset: small}\nnum_tokens: [1]\nbackends: [torch]\n")
     assert_one_line_error(run("bench", "--sweep", str(sweep), "--tokens", "8"), "--sweep replaces", "--tokens")
+    # --calls-per-sample describes the points too: the sweep file's calls_per_sample key says it there.
+    assert_one_line_error(run("bench", "--sweep", str(sweep), "--calls-per-sample", "4"),
+                          "--sweep replaces", "--calls-per-sample")
     assert not fake_cpu_run.calls
 
 
@@ -377,6 +403,8 @@ def test_bench_sweep_and_point_flags_conflict(fake_cpu_run, tmp_path):
         (["--tokens", "8,x"], ["comma-separated integers"]),
         (["--hidden", "100"], ["hidden must be a multiple of 128"]),
         (["--out", "results/bench.txt"], ["unknown results format '.txt'"]),
+        (["--calls-per-sample", "0"], ["command-line flags: calls_per_sample: expected an integer >= 1, got 0"]),
+        (["--calls-per-sample", "two"], ["'--calls-per-sample'", "'two' is not a valid integer"]),
     ],
 )
 def test_bench_bad_flags_are_one_line_exit_2(fake_cpu_run, args, fragments):

@@ -1,5 +1,6 @@
 """Result schema and the results store: rows keep their columns, and old rows survive appends."""
 
+import csv
 import json
 import math
 import sys
@@ -90,6 +91,46 @@ def test_append_keeps_old_bytes_and_reads_back_typed(tmp_path, ext):
     assert frame["num_tokens_min"][2] == 0 and frame["num_tokens_max"][2] == 8
     assert bool(frame["inputs_copy_timed"][0]) is True
     assert json.loads(frame["config"][0]) == {}
+
+
+@pytest.mark.parametrize("ext", [".csv", ".jsonl"])
+def test_calls_per_sample_is_written_after_iters_in_every_row(tmp_path, ext):
+    assert COLUMNS.index("calls_per_sample") == COLUMNS.index("iters") + 1
+    assert "calls_per_sample" in results.INT_COLUMNS
+    loop = load_sweep_text(SWEEP + "calls_per_sample: 5\n").points
+    rows = [ok_row(points()[0], 10.0), ok_row(loop[0], 2.0), failed_row(loop[1])]
+    assert [r["calls_per_sample"] for r in rows] == [1, 5, 5]
+    path = tmp_path / f"r{ext}"
+    append_rows(path, rows)
+    if ext == ".csv":
+        header = path.read_text().splitlines()[0].split(",")
+        assert header[header.index("iters") + 1] == "calls_per_sample"
+    frame = read_results(path)
+    assert str(frame["calls_per_sample"].dtype) == "Int64"
+    assert list(frame["calls_per_sample"]) == [1, 5, 5]
+
+
+@pytest.mark.parametrize("ext", [".csv", ".jsonl"])
+def test_a_file_written_before_calls_per_sample_reads_as_one_call_and_takes_new_rows(tmp_path, ext):
+    old_columns = [c for c in COLUMNS if c != "calls_per_sample"]
+    old_rows = [{c: r[c] for c in old_columns} for r in (ok_row(points()[0], 10.0), failed_row(points()[1]))]
+    path = tmp_path / f"old{ext}"
+    if ext == ".csv":
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            writer.writerow(old_columns)
+            writer.writerows([results._csv_cell(r[c]) for c in old_columns] for r in old_rows)
+    else:
+        path.write_text("".join(results.row_to_json(r) + "\n" for r in old_rows))
+    frame = read_results(path)
+    assert list(frame["status"]) == ["ok", "failed"]
+    assert list(frame["calls_per_sample"]) == [1, 1]
+    assert str(frame["calls_per_sample"].dtype) == "Int64"
+    # A new row with the column appends (the CSV gains the column at its end); the old rows stay 1.
+    append_rows(path, [ok_row(load_sweep_text(SWEEP + "calls_per_sample: 8\n").points[1], 3.0)])
+    frame = read_results(path)
+    assert list(frame["calls_per_sample"]) == [1, 1, 8]
+    assert list(frame["time_us_median"])[::2] == [10.0, 3.0]
 
 
 def test_jsonl_nan_is_written_as_null(tmp_path):

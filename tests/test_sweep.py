@@ -67,6 +67,19 @@ def test_defaults_and_num_max_tokens_default_to_each_points_num_tokens():
     assert p.preset == "small"
     assert {(q.num_tokens, q.num_max_tokens_per_rank) for q in sweep.points} == {(1, 1), (4, 4)}
     assert (p.warmup, p.iters, p.seed, p.check, p.flush_l2, p.routing) == (5, 20, 0, True, False, "random")
+    assert {q.calls_per_sample for q in sweep.points} == {1}
+
+
+def test_calls_per_sample_key_reaches_every_point():
+    sweep = load_sweep_text(BASE + "iters: 7\ncalls_per_sample: 20\n")
+    assert len(sweep.points) == 4
+    assert {(p.iters, p.calls_per_sample) for p in sweep.points} == {(7, 20)}
+
+
+def test_point_from_an_older_plan_without_calls_per_sample_times_one_call():
+    data = load_sweep_text(BASE).points[0].to_dict()
+    del data["calls_per_sample"]
+    assert Point.from_dict(data).calls_per_sample == 1
 
 
 def test_topk_and_experts_overrides_sweep_over_shapes():
@@ -123,6 +136,10 @@ def test_unknown_key_in_second_shape_of_list():
         (BASE.replace("[1, 4]", "[]"), "num_tokens: expected a non-empty list"),
         (BASE.replace("[1, 4]", "[4, 4]"), "num_tokens: 4 is listed twice"),
         (BASE + "iters: 0\n", "iters: expected an integer >= 1, got 0"),
+        (BASE + "calls_per_sample: 0\n", "t.yaml:5: calls_per_sample: expected an integer >= 1, got 0"),
+        (BASE + "calls_per_sample: 2.5\n", "t.yaml:5: calls_per_sample: expected an integer >= 1, got float 2.5"),
+        (BASE + "calls_per_sample: true\n", "calls_per_sample: expected an integer >= 1, got boolean true"),
+        (BASE + "calls_per_sample: '4'\n", "calls_per_sample: expected an integer >= 1, got str '4'"),
         (BASE + "check: yes please\n", "check: expected true or false, got str 'yes please'"),
         (BASE + "timeout_s: -1\n", "timeout_s: expected a positive number of seconds"),
         (BASE.replace("[reference, torch]", "[reference, cuda]"), "backends[1]: unknown backend 'cuda'; expected one of"),
@@ -165,7 +182,8 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 
 def test_point_json_round_trip():
-    for text in (BASE, BASE.replace("[1, 4]", "[[0, 3]]"), BASE.replace("torch]", "fused]") + "block_m: [32]\n"):
+    for text in (BASE, BASE.replace("[1, 4]", "[[0, 3]]"), BASE.replace("torch]", "fused]") + "block_m: [32]\n",
+                 BASE + "calls_per_sample: 5\n"):
         for point in load_sweep_text(text).points:
             again = Point.from_json(point.to_json())
             assert again == point
@@ -182,13 +200,16 @@ def test_point_from_dict_refuses_unknown_keys():
 def test_flags_build_the_same_points_as_a_file():
     from_file = load_sweep_text(
         "name: cli\nshape: {preset: small}\nnum_tokens: [1, 4]\nbackends: [fused, torch]\n"
-        "block_m: [64]\nnum_topk: [1, 2]\niters: 3\ncheck: false\n"
+        "block_m: [64]\nnum_topk: [1, 2]\niters: 3\ncalls_per_sample: 4\ncheck: false\n"
     )
     from_flags = sweep_from_flags(
         preset="small", num_tokens=[1, 4], backends=["fused", "torch"], block_m=[64],
-        num_topk=[1, 2], iters=3, check=False,
+        num_topk=[1, 2], iters=3, calls_per_sample=4, check=False,
     )
     assert from_flags.points == from_file.points
+    assert {p.calls_per_sample for p in from_flags.points} == {4}
+    # Left out (None) it is the default, 1.
+    assert {p.calls_per_sample for p in sweep_from_flags(num_tokens=[8], backends=["torch"]).points} == {1}
 
 
 def test_flags_default_to_deepseek_v3_with_overrides():
@@ -201,6 +222,9 @@ def test_flags_default_to_deepseek_v3_with_overrides():
 def test_flag_errors_name_the_flags_source():
     with pytest.raises(MegaMoEError, match="^command-line flags: iters: expected an integer >= 1, got 0"):
         sweep_from_flags(num_tokens=[8], backends=["torch"], iters=0)
+    with pytest.raises(MegaMoEError,
+                       match="^command-line flags: calls_per_sample: expected an integer >= 1, got 0$"):
+        sweep_from_flags(num_tokens=[8], backends=["torch"], calls_per_sample=0)
 
 
 def test_unknown_backend_lists_valid_names():

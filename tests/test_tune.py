@@ -102,6 +102,9 @@ def test_token_counts_are_tuned_at_their_bucket_upper_edge():
         ("num_tokens: [128]\ncandidates: {block_m: [64]}\n", ["t.yaml:4", "block_m at the top level"]),
         ("num_tokens: [128]\nbackends: [fused, torch]\n", ["t.yaml:4", "give backends: [fused] or leave it out"]),
         ("num_tokens: [128]\ncheck: false\n", ["t.yaml:4", "every candidate is checked"]),
+        ("num_tokens: [128]\ncalls_per_sample: 20\n",
+         ["t.yaml:4", "calls_per_sample", "one call per sample", "give calls_per_sample: 1 or leave it out, got 20"]),
+        ("num_tokens: [128]\ncalls_per_sample: 1.0\n", ["t.yaml:4", "calls_per_sample: expected an integer >= 1"]),
         ("num_tokens: [128]\nnum_max_tokens_per_rank: 256\n", ["t.yaml:4", "bucket's upper edge"]),
         ("num_tokens: [128]\nblock_m: [64, sixty]\n", ["t.yaml:4", "block_m[1]", "expected an integer"]),
         ("num_tokens: [[0, 8]]\n", ["t.yaml:3", "one token count for every rank"]),
@@ -117,6 +120,12 @@ def test_bad_tune_sweeps_name_file_line_and_fix(body, fragments):
         lib.load_tune_sweep_text("name: t\nshape: {preset: small}\n" + body, "t.yaml")
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_a_tune_sweep_times_one_call_per_sample():
+    head = "name: t\nshape: {preset: small}\nnum_tokens: [128]\n"
+    for body in ("", "calls_per_sample: 1\n"):
+        assert {p.calls_per_sample for p in lib.load_tune_sweep_text(head + body, "t.yaml").points} == {1}
 
 
 def test_flags_build_the_same_sweep_as_a_file():

@@ -5,8 +5,11 @@ One row per (run, point).  Columns whose meaning is not in their name:
 - ``num_tokens``: tokens per rank; when ranks differ it is the largest, with
   ``num_tokens_min`` / ``num_tokens_max`` giving the spread.
 - ``config``: JSON of what the backend reports it used; ``block_m`` from it.
-- ``time_us_*``: median / min / max over the timed calls of the slowest rank
+- ``time_us_*``: median / min / max over the timed samples of the slowest rank
   (the rank with the largest median, ``slowest_rank``): the layer's time.
+- ``calls_per_sample``: calls back to back in each timed sample (one barrier
+  before the sample); ``time_us_*`` are per call (the sample / this).  1 is one
+  call right after a barrier; rows written before the column existed read as 1.
 - ``inputs_copy_timed``: copying the inputs into the backend's communication
   buffers is inside the timed region.
 - ``tflops``, ``hbm_gbps``, ``nvlink_gbps``: per GPU, from the modelled work
@@ -63,6 +66,7 @@ COLUMNS = (
     "seed",
     "warmup",
     "iters",
+    "calls_per_sample",
     "flush_l2",
     "inputs_copy_timed",
     "device",
@@ -109,6 +113,7 @@ INT_COLUMNS = (
     "seed",
     "warmup",
     "iters",
+    "calls_per_sample",
     "slowest_rank",
     "num_pairs",
     "recv_pairs_max",
@@ -126,6 +131,10 @@ PROBLEM_COLUMNS = (
     "routing",
     "seed",
 )
+
+# Columns added after results files were written, with the value every older row was measured with;
+# reading fills it into rows that lack one.
+ADDED_COLUMNS = {"calls_per_sample": 1}
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".parquet": "parquet"}
 
@@ -172,6 +181,7 @@ def make_row(
         "seed": point.seed,
         "warmup": point.warmup,
         "iters": point.iters,
+        "calls_per_sample": point.calls_per_sample,
         "flush_l2": point.flush_l2,
         "inputs_copy_timed": inputs_copy_timed,
         "device": device,
@@ -408,7 +418,10 @@ def read_results(path: Union[str, Path]):
         if col not in frame:
             frame[col] = None
     frame = frame.replace({"": None}) if fmt == "csv" else frame
-    return _typed(frame)
+    frame = _typed(frame)
+    for col, value in ADDED_COLUMNS.items():
+        frame[col] = frame[col].fillna(value)
+    return frame
 
 
 def rows_frame(rows: Iterable[Row]):

@@ -11,6 +11,7 @@ sweep from command-line flags, so both paths give the same points::
     backends: [fused, torch]
     block_m: [32, 64]                    # fused only
     num_max_tokens_per_rank: 8192        # buffer capacity; default: each point's own num_tokens
+    calls_per_sample: 20                 # calls back to back per timed sample, time / 20 (default 1)
     check: true
 
 Points are expanded shape-major, then num_experts, num_topk, num_tokens,
@@ -38,6 +39,7 @@ DEFAULTS: Dict[str, Any] = {
     "routing": "random",
     "warmup": 5,
     "iters": 20,
+    "calls_per_sample": 1,
     "seed": 0,
     "check": True,
     "flush_l2": False,
@@ -58,6 +60,7 @@ SWEEP_KEYS = (
     "num_max_tokens_per_rank",
     "warmup",
     "iters",
+    "calls_per_sample",
     "seed",
     "check",
     "flush_l2",
@@ -88,6 +91,7 @@ class Point:
     routing: str = DEFAULTS["routing"]
     warmup: int = DEFAULTS["warmup"]
     iters: int = DEFAULTS["iters"]
+    calls_per_sample: int = DEFAULTS["calls_per_sample"]
     seed: int = DEFAULTS["seed"]
     check: bool = DEFAULTS["check"]
     flush_l2: bool = DEFAULTS["flush_l2"]
@@ -417,6 +421,8 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
         raise check.fail(("routing",), f"unknown routing {routing!r}; expected one of {', '.join(ROUTINGS)}")
     warmup = check.integer(doc.get("warmup", DEFAULTS["warmup"]), ("warmup",), 0)
     iters = check.integer(doc.get("iters", DEFAULTS["iters"]), ("iters",), 1)
+    calls_per_sample = check.integer(doc.get("calls_per_sample", DEFAULTS["calls_per_sample"]),
+                                     ("calls_per_sample",), 1)
     seed = check.integer(doc.get("seed", DEFAULTS["seed"]), ("seed",), 0)
     do_check = check.boolean(doc.get("check", DEFAULTS["check"]), ("check",))
     flush_l2 = check.boolean(doc.get("flush_l2", DEFAULTS["flush_l2"]), ("flush_l2",))
@@ -451,6 +457,7 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
                                     routing=routing,
                                     warmup=warmup,
                                     iters=iters,
+                                    calls_per_sample=calls_per_sample,
                                     seed=seed,
                                     check=do_check,
                                     flush_l2=flush_l2,
@@ -496,6 +503,7 @@ def sweep_from_flags(
     num_max_tokens_per_rank: Optional[int] = None,
     warmup: Optional[int] = None,
     iters: Optional[int] = None,
+    calls_per_sample: Optional[int] = None,
     seed: Optional[int] = None,
     check: Optional[bool] = None,
     flush_l2: Optional[bool] = None,
@@ -528,6 +536,7 @@ def sweep_from_flags(
         "num_max_tokens_per_rank": num_max_tokens_per_rank,
         "warmup": warmup,
         "iters": iters,
+        "calls_per_sample": calls_per_sample,
         "seed": seed,
         "check": check,
         "flush_l2": flush_l2,

@@ -1,11 +1,19 @@
 """Timing one layer call the way every rank agrees on.
 
-Each timed call is preceded by a cross-rank barrier, so all ranks start it
+Each timed sample is preceded by a cross-rank barrier, so all ranks start it
 together and the time includes waiting for the slowest peer inside the layer
 (that is what a model step sees).  On CUDA the interval is measured with events
 recorded on the current stream right after the barrier; on CPU with
 ``time.perf_counter``.  The optional L2 flush (writing a 256 MB buffer) runs
 before the barrier and is never inside the interval.
+
+A sample is ``calls_per_sample`` calls back to back (no barrier or flush
+between them), reported as the interval divided by ``calls_per_sample``: the
+time per call.  With the default 1 a sample is one call right after the
+barrier, so it includes the ranks' host launch skew after the barrier; with
+more, that skew is paid once per sample and the result approaches the steady
+state of a decode step replayed from one CUDA graph (many MoE layers back to
+back, no host barrier between them).
 """
 
 from __future__ import annotations
@@ -54,14 +62,19 @@ def time_calls(
     device: str,
     flush: Optional[Callable[[], None]] = None,
     on_result: Optional[Callable[[Any], None]] = None,
+    calls_per_sample: int = 1,
 ) -> List[float]:
-    """Run ``warmup`` untimed then ``iters`` timed calls; return microseconds per timed call.
+    """Run ``warmup`` untimed calls then ``iters`` timed samples; return microseconds per call of each sample.
 
-    ``on_result`` receives the last call's return value (the layer output used
-    for the error check).
+    A sample is ``calls_per_sample`` consecutive calls between one pair of
+    events (after one flush and one barrier); its time is divided by
+    ``calls_per_sample``.  ``on_result`` receives the last call's return value
+    (the layer output used for the error check).
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
+    if isinstance(calls_per_sample, bool) or not isinstance(calls_per_sample, int) or calls_per_sample < 1:
+        raise ValueError(f"calls_per_sample must be an integer >= 1, got {calls_per_sample!r}")
     cuda = device == "cuda"
     if cuda:
         import torch
@@ -88,18 +101,20 @@ def time_calls(
                 sync()
             barrier()
             starts[i].record()
-            result = call()
+            for _ in range(calls_per_sample):
+                result = call()
             ends[i].record()
             sync()
-        times_us = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+        times_us = [s.elapsed_time(e) * 1e3 / calls_per_sample for s, e in zip(starts, ends)]
     else:
         for _ in range(iters):
             if flush is not None:
                 flush()
             barrier()
             t0 = time.perf_counter()
-            result = call()
-            times_us.append((time.perf_counter() - t0) * 1e6)
+            for _ in range(calls_per_sample):
+                result = call()
+            times_us.append((time.perf_counter() - t0) * 1e6 / calls_per_sample)
     if on_result is not None:
         on_result(result)
     return times_us

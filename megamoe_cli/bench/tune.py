@@ -53,8 +53,9 @@ only ``megamoe tune`` reads, narrows or widens the other dimensions; a dimension
     warmup: 5
     iters: 10
 
-``num_max_tokens_per_rank`` is not a tune-sweep key (the buffer is sized by the bucket), and
-``check`` cannot be turned off (every candidate is checked).  A tune sweep without a
+``num_max_tokens_per_rank`` is not a tune-sweep key (the buffer is sized by the bucket),
+``check`` cannot be turned off (every candidate is checked), and ``calls_per_sample`` stays 1
+(every timed call follows a barrier).  A tune sweep without a
 ``candidates`` section loads as a bench sweep too: ``megamoe bench --sweep`` on it measures the
 same points with the configs the runtime now chooses (``config_source`` "tuned+given" in the
 rows: block_m from the sweep, the other knobs from the tuned entry).
@@ -307,6 +308,10 @@ def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]
     if doc.get("check", True) is not True:
         raise check.fail(("check",), "every candidate is checked against the reference: give check: true or "
                                      "leave it out")
+    if doc.get("calls_per_sample", 1) != 1:
+        raise check.fail(("calls_per_sample",), "a candidate is timed one call per sample (after a barrier): "
+                                                f"give calls_per_sample: 1 or leave it out, got "
+                                                f"{doc['calls_per_sample']!r}")
     grid = _grid(check, doc)
     tokens, notes = _buckets(check, doc)
     bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}

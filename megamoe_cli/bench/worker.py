@@ -379,6 +379,7 @@ class Worker:
             state["runner"],
             warmup=point.warmup,
             iters=point.iters,
+            calls_per_sample=point.calls_per_sample,
             barrier=self.barrier,
             device=self.device_kind,
             flush=self.flusher if point.flush_l2 else None,

@@ -26,7 +26,7 @@ DEFAULTS = {
 
 # Flags that describe points; they cannot be mixed with --sweep.
 POINT_FLAGS = ("preset", "hidden", "intermediate", "num_experts", "num_topk", "num_tokens", "backends",
-               "block_m", "warmup", "iters", "seed", "check", "flush_l2", "point_timeout")
+               "block_m", "warmup", "iters", "calls_per_sample", "seed", "check", "flush_l2", "point_timeout")
 
 
 def _backend_names():
@@ -46,9 +46,12 @@ def _backend_names():
 @click.option("--block-m", "block_m", type=IntList(), help="Fused kernel block_m values to sweep.")
 @click.option("--warmup", type=int, help="Untimed calls before timing (default 5).")
 @click.option("--iters", type=int, help="Timed calls per point; the median is reported (default 20).")
+@click.option("--calls-per-sample", "calls_per_sample", type=int, metavar="N",
+              help="Each timed sample is N calls back to back divided by N: the steady state of a decode "
+                   "loop without the ranks' launch skew (default 1 = one call after a barrier).")
 @click.option("--seed", type=int, help="Seed of the generated problem (default 0).")
 @click.option("--check/--no-check", default=True, help="Compare every output with the reference (default on).")
-@click.option("--flush-l2", is_flag=True, help="Flush the L2 cache before every timed call.")
+@click.option("--flush-l2", is_flag=True, help="Flush the L2 cache before every timed sample (one call unless --calls-per-sample).")
 @click.option("--point-timeout", type=float, help="Seconds one point may take before its ranks are stopped.")
 @click.option("--ranks", "nproc", type=int, help="Number of ranks (default: every GPU, or 2 on CPU).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
@@ -61,8 +64,8 @@ def _backend_names():
               help="Tuned config file the fused backend reads (default: $MEGAMOE_TUNED_CONFIG or "
                    "~/.cache/megamoe/tuned.json), e.g. one written by `megamoe tune --config-file`.")
 def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_tokens, backends, block_m,
-          warmup, iters, seed, check, flush_l2, point_timeout, nproc, device, run_timeout, out_path, as_json,
-          tuned_config):
+          warmup, iters, calls_per_sample, seed, check, flush_l2, point_timeout, nproc, device, run_timeout,
+          out_path, as_json, tuned_config):
     """Benchmark the MoE layer: fused kernel vs the unfused PyTorch pipeline, launched with torchrun.
 
     Every point is timed after a cross-rank barrier (median over --iters, the slowest rank is the
@@ -157,6 +160,7 @@ def _sweep_from_flags(device_kind: str, given: dict):
         block_m=given.get("block_m"),
         warmup=given.get("warmup"),
         iters=given.get("iters"),
+        calls_per_sample=given.get("calls_per_sample"),
         seed=given.get("seed"),
         check=given.get("check"),
         flush_l2=given.get("flush_l2"),
