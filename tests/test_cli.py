@@ -412,6 +412,15 @@ def test_bench_bad_flags_are_one_line_exit_2(fake_cpu_run, args, fragments):
     assert not fake_cpu_run.calls
 
 
+@pytest.mark.parametrize("args", [["--calls-per-sample", "0"], ["--hidden", "100"], ["--backend", "fast"]])
+def test_a_refused_bench_creates_no_results_folder(fake_cpu_run, tmp_path, args):
+    out = tmp_path / "new" / "rows.csv"
+    assert run("bench", *args, "--out", str(out)).exit_code == 2
+    assert not out.parent.exists()
+    assert run("bench", "--tokens", "8", "--backend", "torch", "--out", str(out)).exit_code == 0
+    assert out.parent.is_dir()  # a run that starts creates it
+
+
 def test_bench_run_that_stops_early_exits_2_after_showing_what_it_measured(monkeypatch, tmp_path):
     from megamoe_cli.bench import launcher
 

@@ -107,8 +107,6 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
         os.environ[tuned.ENV_VAR] = str(path.resolve())  # the ranks inherit it
     out = Path(out_path)
     file_format(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    check_output_path(out)
     device_kind, world_size, _ = resolve_device(device, nproc)
     if sweep_file:
         from ..bench.sweep import load_sweep
@@ -116,6 +114,9 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
         sweep = load_sweep(sweep_file)
     else:
         sweep = _sweep_from_flags(device_kind, given)
+    # Only a run that can start creates the results folder (a refused flag leaves nothing behind).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_path(out)
 
     console = stderr_console()
     if not sweep_file and not given:
