@@ -238,6 +238,36 @@ def test_report_writes_a_png_plot(tmp_path):
     assert custom.stat().st_size > 0
 
 
+def test_report_plots_rows_of_several_calls_per_sample_as_their_own_series(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from megamoe_cli.bench import results, sweep
+
+    path = tmp_path / "mixed.csv"
+    rows = []
+    for run_id, calls in (("single", 1), ("loop", 20)):
+        for point in sweep.sweep_from_flags(num_tokens=[8, 64], backends=["fused"], preset="small",
+                                            calls_per_sample=calls).points:
+            rows.append(results.make_row(point, run_id=run_id, world_size=2, device="cpu", env={},
+                                         status=results.STATUS_OK,
+                                         timing={"time_us_median": 100.0 / calls, "time_us_min": 1.0,
+                                                 "time_us_max": 200.0}))
+    results.append_rows(path, rows)
+    labels = []
+    original = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        labels.append(kwargs.get("label"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    result = run("report", str(path), "--plot", str(tmp_path / "mixed.png"))
+    assert result.exit_code == 0, result.output
+    assert [label for label in labels if label != "roofline floor"] == ["fused", "fused (20 calls/sample)"]
+    assert "calls/sample" in result.stderr  # the table shows the column too
+
+
 def test_report_without_matplotlib_says_so(tmp_path, monkeypatch):
     csv_path = _results_csv(tmp_path / "bench.csv")
     monkeypatch.setitem(sys.modules, "matplotlib", None)

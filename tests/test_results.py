@@ -252,3 +252,20 @@ def test_result_rows_take_the_commit_from_the_environment_over_a_checkouts_own(t
     assert envinfo.git_info(tmp_path) == {"git_commit": "cb23d82", "git_dirty": None}
     monkeypatch.delenv(envinfo.ENV_GIT_COMMIT)
     assert envinfo.git_info(tmp_path) == {"git_commit": "", "git_dirty": None}
+
+
+def test_summary_shows_calls_per_sample_only_when_some_row_used_several(tmp_path):
+    from megamoe_cli.cli._tables import markdown_table
+
+    single = tmp_path / "single.csv"
+    append_rows(single, [ok_row(points()[0], 50.0), ok_row(points()[1], 200.0)])
+    assert "calls_per_sample" not in summary(read_results(single)).columns
+
+    mixed = tmp_path / "mixed.csv"
+    loop = load_sweep_text(SWEEP + "calls_per_sample: 20\n").points
+    append_rows(mixed, [ok_row(points()[0], 50.0), ok_row(loop[0], 40.0, run_id="run2")])
+    view = summary(read_results(mixed))
+    columns = list(view.columns)
+    assert columns.index("calls_per_sample") == columns.index("time_us_median") + 1
+    assert list(view["calls_per_sample"]) == [1, 20]
+    assert "calls/sample" in markdown_table(view)

@@ -458,7 +458,9 @@ def with_speedup(frame):
 
 
 def summary(frame):
-    """A compact view for display: one line per row with the baseline ratio."""
+    """A compact view for display: one line per row with the baseline ratio.  When some row was
+    timed over several calls per sample, a ``calls_per_sample`` column follows the time, so
+    steady-state rows are never read as single calls."""
     frame = with_speedup(frame)
 
     def shape_name(row) -> str:
@@ -467,4 +469,7 @@ def summary(frame):
         return f"{row['hidden']}/{row['intermediate']}/{row['num_experts']}/top-{row['num_topk']}"
 
     frame["shape"] = frame.apply(shape_name, axis=1) if len(frame) else []
-    return frame[list(SUMMARY_COLUMNS)]
+    columns = list(SUMMARY_COLUMNS)
+    if len(frame) and (frame["calls_per_sample"].fillna(1) != 1).any():
+        columns.insert(columns.index("time_us_median") + 1, "calls_per_sample")
+    return frame[columns]

@@ -9,12 +9,13 @@ HEADERS = {
     "block_m": "block_m",
     "status": "status",
     "time_us_median": "time us (median)",
+    "calls_per_sample": "calls/sample",
     "tflops": "TFLOPS",
     "floor_fraction": "of floor",
     "rel_err": "rel err",
     "speedup_vs_torch": "vs torch",
 }
-NUMERIC = ("num_tokens", "block_m", "time_us_median", "tflops", "floor_fraction", "rel_err", "speedup_vs_torch")
+NUMERIC = ("num_tokens", "block_m", "time_us_median", "calls_per_sample", "tflops", "floor_fraction", "rel_err", "speedup_vs_torch")
 
 
 def plain(value):

@@ -94,14 +94,17 @@ def _plot(frame, target: Path) -> bool:
         return False
     ok = summary(ok_rows)
     ok["panel"] = [f"{shape}, {int(ws)} ranks" for shape, ws in zip(ok["shape"], ok_rows["world_size"])]
+    # Rows timed over several calls per sample are their own series (a steady state, not single calls).
+    ok["series"] = [b if int(n) == 1 else f"{b} ({int(n)} calls/sample)"
+                    for b, n in zip(ok["backend"], ok_rows["calls_per_sample"].fillna(1))]
     panels = list(dict.fromkeys(ok["panel"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         rows = ok[ok["panel"] == panel]
-        for backend in dict.fromkeys(rows["backend"]):
+        for series in dict.fromkeys(rows["series"]):
             # Several rows per point (block_m variants, repeated runs): plot the fastest.
-            best = rows[rows["backend"] == backend].groupby("num_tokens")["time_us_median"].min().sort_index()
-            ax.plot(best.index.astype(float), best.values.astype(float), marker="o", label=backend)
+            best = rows[rows["series"] == series].groupby("num_tokens")["time_us_median"].min().sort_index()
+            ax.plot(best.index.astype(float), best.values.astype(float), marker="o", label=series)
         floors = ok_rows.loc[[i for i, p in zip(ok_rows.index, ok["panel"]) if p == panel]]
         floors = floors.dropna(subset=["floor_us"]) if "floor_us" in floors else floors.iloc[0:0]
         if not floors.empty:
