@@ -278,7 +278,7 @@ class _Kernel:
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
         # Scheduling hints on the promotion FFMAs (jit/sass.py); MEGAMOE_PROMOTION_HINTS=off loads the cubin as built.
-        cubin, self.sass_edit = edited_cubin(built.cubin_path, *promotion_hints())
+        cubin, _ = edited_cubin(built.cubin_path, *promotion_hints())
         self.module = load_module(cubin, device.index)
         self.function = self.module.get_function(KERNEL_NAME)
         self.function.set_max_dynamic_smem(self.smem_bytes)

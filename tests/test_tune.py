@@ -35,7 +35,7 @@ from megamoe_cli.bench.tune import (
 from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.jit import BuildError
-from megamoe_cli.kernel_source import Variant
+from megamoe_cli.kernel_source import Variant, kernel_build_source
 from megamoe_cli.layout import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -258,7 +258,7 @@ def test_prebuilt_sources_are_the_ones_the_fused_runner_loads(monkeypatch):
     monkeypatch.setattr(jit, "build", capture)
     with pytest.raises(RuntimeError, match="captured"):
         fused._Kernel(variant, torch.device("cpu"))
-    assert seen == [lib.kernel_source(variant)]
+    assert seen == [kernel_build_source(variant)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -80,7 +80,14 @@ from .. import tuned
 from ..errors import MegaMoEError, MegaMoETimeout
 from ..gpus import GpuSpec, gpu_spec
 from ..heuristics import default_config
-from ..kernel_source import SUPPORTED_BLOCK_M, SUPPORTED_CLUSTER_M, SUPPORTED_STAGES, KernelConfig, Variant
+from ..kernel_source import (
+    SUPPORTED_BLOCK_M,
+    SUPPORTED_CLUSTER_M,
+    SUPPORTED_STAGES,
+    KernelConfig,
+    Variant,
+    kernel_build_source,
+)
 from ..layout import BufferConfig, MoEShape
 from .sweep import SWEEP_KEYS, Point, _Checker, _compose, read_sweep_file, validate_sweep
 
@@ -468,13 +475,6 @@ def plan_tune(sweep: TuneSweep, world_size: int, gpu: str) -> List[PointPlan]:
 # Building (launcher process, before the ranks start)
 
 
-def kernel_source(variant: Variant):
-    """The JIT source of ``variant``, exactly as the fused runner builds it (same cache entry)."""
-    from ..kernel_source import kernel_build_source
-
-    return kernel_build_source(variant)
-
-
 _COMPILER_ERROR = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)
 
 
@@ -503,7 +503,7 @@ def build_variants(variants: Sequence[Variant], build: Optional[Callable] = None
 
     def alone(variant: Variant) -> str:
         try:
-            (kernel,) = build([kernel_source(variant)])
+            (kernel,) = build([kernel_build_source(variant)])
         except BuildError as exc:
             return _compiler_reason(exc.log)
         return _spill_reason(kernel)
@@ -511,7 +511,7 @@ def build_variants(variants: Sequence[Variant], build: Optional[Callable] = None
     pending = variants
     while pending:
         try:
-            kernels = build([kernel_source(v) for v in pending])
+            kernels = build([kernel_build_source(v) for v in pending])
         except BuildError as exc:
             reasons[by_name[exc.name]] = _compiler_reason(exc.log)
             others = [by_name[name] for name in exc.also_failed if name in by_name]
