@@ -68,6 +68,7 @@ _PHASES = {
     7: "TMA/WGMMA pipeline",
     8: "topk_idx out of range",
     9: "too many pairs for one expert (a token repeats an expert)",
+    10: "cluster tile forward (the leader CTA's next tile)",
 }
 _DIAG_MAGIC = 0x4D4F4521
 

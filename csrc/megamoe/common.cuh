@@ -115,6 +115,7 @@ enum Phase : uint32_t {
     kPhasePipeline = 7,
     kPhaseBadTopkIdx = 8,
     kPhaseTooManyPairs = 9,
+    kPhaseClusterTile = 10,
 };
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }

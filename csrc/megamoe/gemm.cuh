@@ -19,6 +19,8 @@ struct SharedStorage {
     uint64_t empty[kNumStages];
     // The stage's tile as the producer decoded it (pack_tile), or kNoMoreTiles in .x
     alignas(16) uint4 stage_tile[kNumStages];
+    // Tiles forwarded by the cluster leader's producer (TileSource); zeroed at start
+    uint64_t tile_slot[kNumStages + 2];
     Schedule schedule;
     MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
 };
@@ -83,21 +85,51 @@ __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint3
 
 constexpr uint32_t kNoMoreTiles = 0xffffffffu;
 
-// Where the producer takes its next tile.  One CTA per cluster (kClusterM == 1): an atomic
-// counter per rank, so the tiles in flight across the GPU form one contiguous window of the
-// tile order and CTAs sharing an expert's B tile stay close in time (L2 reuse).  Clusters:
-// a static round robin over clusters, since both CTAs of a cluster must take the same tile.
+// Where the producer takes its next tile: an atomic counter per rank, so the tiles in flight
+// across the GPU form one contiguous window of the tile order and CTAs sharing an expert's B
+// tile stay close in time (L2 reuse).  With clusters only the leader (cluster rank 0) takes
+// tiles; it forwards each one to the other CTAs' `tile_slot` ring through distributed shared
+// memory as (sequence << 32 | tile), so every CTA of a cluster works on the same unit.
+// NOTES: a ring of kTileSlots > kNumStages + 1 slots cannot be overrun: the leader takes tile
+// i only after issuing tile i - 1's last stage (iteration L), whose empty wait needs every CTA's
+// consumers to have released iteration L - kNumStages; that iteration belongs to tile
+// i - 1 - kNumStages or later (every tile has at least one K block), so the other producers
+// have read slot i - 1 - kNumStages and every slot before it.
+// (MEGAMOE_EXP_STATIC_TILES, a diagnostic: entry 4's static round robin over clusters.)
+constexpr uint32_t kTileSlots = kNumStages + 2;
+
 struct TileSource {
     uint32_t* counter;
-    uint32_t next_static;
-    __device__ __forceinline__ uint32_t next() {
+    uint64_t* slots;  // this CTA's tile_slot ring
+    uint32_t cluster_rank;
+    uint32_t taken;   // tiles taken so far (the sequence number of the next one, minus 1)
+    __device__ __forceinline__ uint32_t next(const Params& p) {
+#ifdef MEGAMOE_EXP_STATIC_TILES
+        (void)p;
+        return blockIdx.x / kClusterM + (taken++) * (gridDim.x / kClusterM);
+#else
         if constexpr (kClusterM == 1) {
+            (void)p;
             return atomicAdd(counter, 1u);
         } else {
-            const uint32_t t = next_static;
-            next_static += gridDim.x / kClusterM;
-            return t;
+            const uint32_t slot = taken % kTileSlots;
+            const uint64_t seq = static_cast<uint64_t>(++taken) << 32;
+            if (cluster_rank == 0) {
+                const uint32_t t = atomicAdd(counter, 1u);
+                #pragma unroll
+                for (uint32_t r = 1; r < kClusterM; ++r)
+                    ptx::st_relaxed_cluster_u64(ptx::map_shared_to_rank(slots + slot, r), seq | t);
+                return t;
+            }
+            uint64_t v = ptx::ld_relaxed_cluster_shared_u64(slots + slot);
+            if ((v >> 32) != (seq >> 32)) {
+                Deadline d(p.timeout_ns);
+                while (((v = ptx::ld_relaxed_cluster_shared_u64(slots + slot)) >> 32) != (seq >> 32))
+                    d.check(p, kPhaseClusterTile, seq >> 32, v >> 32, slot);
+            }
+            return static_cast<uint32_t>(v);
         }
+#endif
     }
 };
 
@@ -113,13 +145,14 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
     const Schedule& s = ss.schedule;
     const uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
     const uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
-    TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5), blockIdx.x / kClusterM};
+    TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5), ss.tile_slot, cluster_rank,
+                      0};
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
     MEGAMOE_PROF(uint64_t& prof_arrival = ss.prof[2][0]; uint64_t& prof_empty = ss.prof[2][1]; prof_arrival = prof_empty = 0;
                  ss.prof[2][2] = clock64();)
     while (true) {
-        const uint32_t t = source.next();
+        const uint32_t t = source.next(p);
         if (t >= total) {
             MEGAMOE_PROF_ADD(kProfProducerArrival, prof_arrival);
             MEGAMOE_PROF_ADD(kProfProducerEmpty, prof_empty);

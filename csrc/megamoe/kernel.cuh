@@ -161,6 +161,9 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
             ptx::mbar_init(&ss.full[i], 1);
             ptx::mbar_init(&ss.empty[i], kNumConsumerThreads / 32 * kClusterM);
         }
+        #pragma unroll
+        for (uint32_t i = 0; i < kTileSlots; ++i)
+            ss.tile_slot[i] = 0;  // before the cluster barrier: the leader's forwards come after it
         ptx::fence_mbarrier_init();
         ptx::fence_proxy_async_shared();
         // Every CTA's copy: its rank waits need it.  Block 0 advances it only at the very end,

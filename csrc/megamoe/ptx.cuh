@@ -107,6 +107,16 @@ __device__ __forceinline__ uint32_t map_shared_to_rank(const void* ptr, uint32_t
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_addr(ptr)), "r"(rank));
     return out;
 }
+// A 64-bit word in another CTA's shared memory (address from map_shared_to_rank), and its
+// local poll: relaxed at cluster scope (the word itself is the message, nothing else is ordered).
+__device__ __forceinline__ void st_relaxed_cluster_u64(uint32_t cluster_smem_addr, uint64_t v) {
+    asm volatile("st.relaxed.cluster.shared::cluster.u64 [%0], %1;" ::"r"(cluster_smem_addr), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_relaxed_cluster_shared_u64(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.relaxed.cluster.shared::cta.u64 %0, [%1];" : "=l"(v) : "r"(smem_addr(ptr)) : "memory");
+    return v;
+}
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_smem_addr) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_smem_addr) : "memory");
 }
