@@ -192,8 +192,8 @@ def pack_params(
 ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
 # Diagnostic builds (timing only; NOPROMO / SAME_A / SAME_B give wrong results on purpose, PULL1
 # pulls tokens with one warp per CTA, STATIC_TILES takes tiles in a static round robin instead of
-# from the atomic counter, NOPREFETCH leaves out the L2 prefetch of the first weights): see csrc/megamoe/gemm.cuh and dispatch.cuh.
-EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1", "STATIC_TILES", "NOPREFETCH")
+# from the atomic counter): see csrc/megamoe/gemm.cuh and dispatch.cuh.
+EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1", "STATIC_TILES")
 
 
 def experiment_defines() -> Tuple[str, ...]:

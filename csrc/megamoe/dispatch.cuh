@@ -5,18 +5,6 @@
 
 namespace megamoe {
 
-// While the ranks exchange counts, HBM is idle: every CTA but CTA 0 (which publishes) brings
-// the first K blocks of the L1 weights of this rank's experts that its own tokens chose, which
-// the first tiles will stream, into L2.  Experts in tile order (local index), at most
-// kPrefetchExperts of them, every N tile's first K blocks, kPrefetchBytes in all.  The peers'
-// choices are not known yet; at one token per rank this covers about half the touched experts.
-// (MEGAMOE_EXP_NOPREFETCH: without it.)
-#ifndef MEGAMOE_PREFETCH_MB
-#define MEGAMOE_PREFETCH_MB 32
-#endif
-constexpr uint32_t kPrefetchExperts = 8;
-constexpr uint64_t kPrefetchBytes = static_cast<uint64_t>(MEGAMOE_PREFETCH_MB) << 20;
-
 // Pool schedule, identical in every CTA of a rank (each CTA computes it from the
 // published counts).  Expert `e` owns pool blocks [block_start[e], block_start[e+1]).
 struct Schedule {
@@ -26,8 +14,6 @@ struct Schedule {
     uint32_t src_start[kNumExpertsPerRank][kNumRanks + 1];
     uint32_t unit_start[kNumExpertsPerRank + 1];  // groups of kClusterM blocks per expert
     uint64_t epoch;
-    uint32_t prefetch_expert[kPrefetchExperts];  // prefetch_first_weights' list
-    uint32_t num_prefetch;
 
     __device__ __forceinline__ uint32_t num_blocks() const { return block_start[kNumExpertsPerRank]; }
     __device__ __forceinline__ uint32_t num_rows() const { return row_start[kNumExpertsPerRank]; }
@@ -93,50 +79,6 @@ __device__ __forceinline__ void dispatch_publish(const Params& p, uint32_t dispa
         const uint32_t local_expert = e % kNumExpertsPerRank;
         *map_to_rank(p, recv_count + p.rank * kNumExpertsPerRank + local_expert, dst_rank) = count;
     }
-}
-
-__device__ __forceinline__ void prefetch_first_weights(const Params& p, Schedule& s, uint32_t dispatch_thread) {
-#ifdef MEGAMOE_EXP_NOPREFETCH
-    (void)p; (void)s; (void)dispatch_thread;
-#else
-    if (blockIdx.x == 0 || gridDim.x < 2)
-        return;
-    uint32_t* chosen = s.prefetch_expert;
-    // The first dispatch warp lists the experts, 32 at a time, in index order.
-    if (dispatch_thread < 32) {
-        const uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count) + p.rank * kNumExpertsPerRank;
-        uint32_t n = 0;
-        for (uint32_t base = 0; base < kNumExpertsPerRank && n < kPrefetchExperts; base += 32) {
-            const uint32_t e = base + dispatch_thread;
-            const bool used = e < kNumExpertsPerRank && __ldcg(send_count + e) > 0;
-            const uint32_t mask = __ballot_sync(0xffffffffu, used);
-            const uint32_t pos = n + __popc(mask & ((1u << dispatch_thread) - 1u));
-            if (used && pos < kPrefetchExperts)
-                chosen[pos] = e;
-            n += __popc(mask);
-        }
-        if (dispatch_thread == 0)
-            s.num_prefetch = min(n, kPrefetchExperts);
-    }
-    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-    const uint32_t experts = s.num_prefetch;
-    if (experts == 0)
-        return;
-    constexpr uint64_t kStageBytes = static_cast<uint64_t>(kBlockN) * kBlockK;
-    const uint32_t depth = static_cast<uint32_t>(
-        min(static_cast<uint64_t>(kNumL1KBlocks), kPrefetchBytes / (experts * kNumL1NTiles * kStageBytes)));
-    const uint32_t jobs = experts * kNumL1NTiles * depth * kClusterM;
-    const uint32_t stride = (gridDim.x - 1) * kNumDispatchThreads;
-    for (uint32_t j = (blockIdx.x - 1) * kNumDispatchThreads + dispatch_thread; j < jobs; j += stride) {
-        // Job order: K block slowest, so a short budget still reaches every tile's first blocks.
-        const uint32_t part = j % kClusterM;
-        const uint32_t n = (j / kClusterM) % kNumL1NTiles;
-        const uint32_t x = (j / (kClusterM * kNumL1NTiles)) % experts;
-        const uint32_t kb = j / (kClusterM * kNumL1NTiles * experts);
-        const uint32_t stage = (chosen[x] * kNumL1NTiles + n) * kNumL1KBlocks + kb;
-        ptx::tma_prefetch_2d(&p.tmap_l1_b, 0, static_cast<int32_t>(stage * kBlockN + part * (kBlockN / kClusterM)));
-    }
-#endif
 }
 
 // Phase 3: every CTA derives the pool schedule from the received counts.

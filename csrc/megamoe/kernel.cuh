@@ -76,7 +76,6 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
         grid_barrier(p, grid_sync + 0, kPhaseCountBarrier);
     }
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-    prefetch_first_weights(p, s, dispatch_thread);
     if (blockIdx.x == 0) {
         dispatch_publish(p, dispatch_thread);
         ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
