@@ -59,8 +59,7 @@ _TORCH_DTYPES = {
 }
 
 _PHASES = {
-    1: "count barrier (grid)",
-    2: "count barrier (ranks)",
+    2: "count exchange (index 0: ranks announced; index 1: CTAs of every rank arrived)",
     3: "L1 arrival (rows pulled into the pool)",
     4: "L2 arrival (L1 tiles of a block)",
     5: "combine barrier (grid)",

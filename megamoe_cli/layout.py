@@ -187,25 +187,22 @@ class BufferLayout:
 # kernel; "peer r" = rank r's kernel writing through NVLink.
 _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
     "grid_sync": (
-        "local CTAs (atomic add, release)",
+        "local CTAs (atomic add, release); [0,1] also peer r (red.release.sys)",
         "local CTAs (acquire spin)",
-        "[0,1] dispatch and [2,3] epilogue grid barriers (arrivals return to 0, generations grow), "
-        "[4] call epoch (grows), [5] tile counter (zeroed by the kernel's cleanup phase)",
+        "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
+        "adds; zeroed by the owner's cleanup phase), [2,3] epilogue grid barrier (arrivals return "
+        "to 0, generation grows), [4] call epoch (grows), [5] tile counter (zeroed by the kernel's "
+        "cleanup phase)",
     ),
     "rank_flags": (
         "peer r stores slot r (st.release.sys, monotonic epoch)",
         "every local CTA (ld.acquire.sys spin, one thread each)",
         "never: values only grow",
     ),
-    "expert_send_count": (
-        "local count phase (atomic add)",
-        "local CTA 0 (publishes counts to owners)",
-        "zeroed by the kernel's cleanup phase",
-    ),
     "expert_recv_count": (
-        "peer r stores row r before the count barrier",
-        "local CTAs after the count barrier",
-        "overwritten every call",
+        "peer r and this rank reserve slots in row [epoch parity][r] (atom.add.sys per pair)",
+        "local CTAs after the count exchange",
+        "zeroed by the kernel's cleanup phase (the call's parity)",
     ),
     "l1_arrival": (
         "local pull (red.release.gpu per landed row)",
@@ -263,8 +260,7 @@ def build_layout(config: BufferConfig) -> BufferLayout:
     specs: List[Tuple[str, str, Tuple[int, ...]]] = [
         ("grid_sync", "u64", (8,)),
         ("rank_flags", "u64", (R,)),
-        ("expert_send_count", "u32", (E,)),
-        ("expert_recv_count", "u32", (R, E_local)),
+        ("expert_recv_count", "u32", (2, R, E_local)),
         ("l1_arrival", "u32", (B,)),
         ("l2_arrival", "u32", (B,)),
         ("src_token_topk_idx", "i32", (E_local, R, T)),

@@ -286,7 +286,8 @@ def test_the_diagnostic_names_rank_phase_place_expected_and_observed():
         "megamoe kernel failed on rank 1: topk_idx out of range; CTA 3, thread 53, index 21: expected 16, observed 1000"
     )
     assert failed_buffer(phase=2, index=1, expected=9, observed=6).diagnostic() == (
-        "megamoe kernel failed on rank 1: count barrier (ranks); CTA 3, thread 53, index 1: expected 9, observed 6"
+        "megamoe kernel failed on rank 1: count exchange (index 0: ranks announced; index 1: CTAs of every rank "
+        "arrived); CTA 3, thread 53, index 1: expected 9, observed 6"
     )
     assert "phase 42;" in failed_buffer(phase=42).diagnostic()
     # 0: nothing failed; 1: a thread claimed the record but had not finished it when the host looked.

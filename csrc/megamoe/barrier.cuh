@@ -27,6 +27,40 @@ __device__ __forceinline__ void grid_barrier(const Params& p, uint64_t* counter,
         d.check(p, phase, gen + 1, now, 0);
 }
 
+// The count exchange: every CTA of every rank announces that its pairs are counted (its
+// atomics on the owners' receive counters and its stores into their tables are done) by one
+// release add on every rank's `arrivals` word, and waits until its own word says that every
+// CTA of every rank has.  One add carries a CTA (bits 0-19); CTA 0's also carries its grid
+// size (bits 20-39) and its rank (bits 40-47), so no rank needs the others' grid sizes: the
+// exchange is complete once every rank is announced and the CTAs equal the announced sizes.
+// The word is this call's parity's ([0] or [1] of grid_sync), zeroed by the cleanup phase.
+// NOTES: a peer adds to the same parity's word again two calls later, after this rank's next
+// combine barrier, which this rank signals only after its cleanup (program order, and the
+// system fence before the signal).  Replaces a grid barrier, CTA 0's publish of the counts
+// and a cross-rank barrier.
+constexpr uint64_t kExchangeGridUnit = 1ull << 20, kExchangeRankUnit = 1ull << 40;
+
+__device__ __forceinline__ void count_exchange(const Params& p, uint64_t* arrivals) {
+    const uint64_t add = 1 + (blockIdx.x == 0 ? kExchangeRankUnit + gridDim.x * kExchangeGridUnit : 0);
+    __threadfence_system();
+    #pragma unroll
+    for (uint32_t r = 0; r < kNumRanks; ++r)
+        ptx::red_release_sys_add_u64(map_to_rank(p, arrivals, r), add);
+    Deadline d(p.timeout_ns);
+    while (true) {
+        const uint64_t v = ptx::ld_acquire_sys_u64(arrivals);
+        const uint64_t ctas = v % kExchangeGridUnit, announced = (v / kExchangeGridUnit) % kExchangeGridUnit;
+        if (v / kExchangeRankUnit == kNumRanks && ctas == announced)
+            return;
+        // index 0: ranks announced (expected all); index 1: CTAs arrived (expected those announced)
+        const uint64_t ranks = v / kExchangeRankUnit;
+        if (ranks < kNumRanks)
+            d.check(p, kPhaseCountExchange, kNumRanks, ranks, 0);
+        else
+            d.check(p, kPhaseCountExchange, announced, ctas, 1);
+    }
+}
+
 // Cross-rank barrier, in two halves.  rank_signal (one thread of CTA 0): store `value`
 // into every rank's flag slot for this rank.  rank_wait (one thread of every CTA that needs
 // the barrier): wait until every rank's slot here reached it.  Values only grow

@@ -97,7 +97,7 @@ enum ProfileSlot : uint32_t {
     kProfConsumerTotal = 14,
     kProfSamplers = 15,       // count of consumer sampling threads
     kProfDispatchPull = 16,
-    kProfDispatchSchedule = 17,  // dispatch: count, barriers, publish, schedule
+    kProfDispatchSchedule = 17,  // dispatch: count, exchange, schedule
     kProfEpilogueL1Math = 18,    // L1 epilogue up to its stores
     kProfEpilogueL1Release = 19, // L1 epilogue: proxy fence, barrier, release
     kProfMainloopL1 = 20,        // consumer: k loops of L1 tiles (kProfMainloop - this = L2 tiles)
@@ -106,8 +106,7 @@ enum ProfileSlot : uint32_t {
 
 // Phases named in timeout diagnostics
 enum Phase : uint32_t {
-    kPhaseCountBarrier = 1,
-    kPhaseCountRankBarrier = 2,
+    kPhaseCountExchange = 2,
     kPhaseL1Arrival = 3,
     kPhaseL2Arrival = 4,
     kPhaseCombineBarrier = 5,

@@ -1,4 +1,4 @@
-// Dispatch: count (token, k) pairs per expert, publish counts to the owning ranks,
+// Dispatch: count (token, k) pairs per expert straight into the owning ranks' counters,
 // build the pool schedule, and pull token rows from the peers into the expert-major pool.
 #pragma once
 #include "barrier.cuh"
@@ -6,7 +6,7 @@
 namespace megamoe {
 
 // Pool schedule, identical in every CTA of a rank (each CTA computes it from the
-// published counts).  Expert `e` owns pool blocks [block_start[e], block_start[e+1]).
+// received counts).  Expert `e` owns pool blocks [block_start[e], block_start[e+1]).
 struct Schedule {
     uint32_t expert_count[kNumExpertsPerRank];
     uint32_t block_start[kNumExpertsPerRank + 1];
@@ -38,14 +38,21 @@ struct Schedule {
     }
 };
 
-// Phase 1: count local pairs per global expert, reserve a slot per pair with one atomic,
-// and store the pair's source index into the owning rank's table.
-__device__ __forceinline__ void dispatch_count(const Params& p, uint32_t dispatch_thread) {
+// Receive counters of one call: [parity][source rank][local expert] in the owner's buffer;
+// calls alternate between the two halves by the parity of their epoch.
+__device__ __forceinline__ uint32_t* recv_counts(const Params& p, uint64_t epoch) {
+    return at<uint32_t>(p, p.off_expert_recv_count) + (epoch & 1) * kNumRanks * kNumExpertsPerRank;
+}
+
+// Phase 1: reserve a slot per (token, k) pair with one system-scope atomic on the owning
+// rank's receive counter for this rank (the counter's final value is the count the owner
+// schedules from), and store the pair's source index into the owner's table at that slot.
+__device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, uint32_t dispatch_thread) {
     // Inputs given by address are read there: the other CTAs' copies into the buffer are
-    // not visible before the count barrier.
+    // not visible before the count exchange.
     const int64_t* topk_idx = p.in_topk_idx != 0 ? reinterpret_cast<const int64_t*>(p.in_topk_idx)
                                                  : at<int64_t>(p, p.off_topk_idx);
-    uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count);
+    uint32_t* recv_count = recv_counts(p, epoch) + p.rank * kNumExpertsPerRank;
     int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
     const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;
     const uint32_t stride = gridDim.x * kNumDispatchThreads;
@@ -57,33 +64,22 @@ __device__ __forceinline__ void dispatch_count(const Params& p, uint32_t dispatc
             fail(p, kPhaseBadTopkIdx, kNumExperts, static_cast<uint64_t>(expert), i);
             continue;
         }
-        const uint32_t slot = atomicAdd(send_count + expert, 1u);
+        const uint32_t dst_rank = static_cast<uint32_t>(expert) / kNumExpertsPerRank;
+        const uint32_t local_expert = static_cast<uint32_t>(expert) % kNumExpertsPerRank;
+        // System scope: the owner's counter is also taken by the other ranks' CTAs.
+        const uint32_t slot = atomicAdd_system(map_to_rank(p, recv_count + local_expert, dst_rank), 1u);
         if (slot >= kNumMaxTokens) {
             fail(p, kPhaseTooManyPairs, kNumMaxTokens, slot, static_cast<uint32_t>(expert));
             continue;
         }
-        const uint32_t dst_rank = static_cast<uint32_t>(expert) / kNumExpertsPerRank;
-        const uint32_t local_expert = static_cast<uint32_t>(expert) % kNumExpertsPerRank;
         int32_t* dst = src_table + (static_cast<uint64_t>(local_expert) * kNumRanks + p.rank) * kNumMaxTokens + slot;
         *map_to_rank(p, dst, dst_rank) = static_cast<int32_t>(i);
     }
 }
 
-// Phase 2 (CTA 0): publish this rank's per-expert counts into each owner's recv table.
-__device__ __forceinline__ void dispatch_publish(const Params& p, uint32_t dispatch_thread) {
-    const uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count);
-    uint32_t* recv_count = at<uint32_t>(p, p.off_expert_recv_count);
-    for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads) {
-        const uint32_t count = __ldcg(send_count + e);
-        const uint32_t dst_rank = e / kNumExpertsPerRank;
-        const uint32_t local_expert = e % kNumExpertsPerRank;
-        *map_to_rank(p, recv_count + p.rank * kNumExpertsPerRank + local_expert, dst_rank) = count;
-    }
-}
-
 // Phase 3: every CTA derives the pool schedule from the received counts.
 __device__ __forceinline__ void build_schedule(const Params& p, Schedule& s, uint32_t dispatch_thread) {
-    const uint32_t* recv_count = at<uint32_t>(p, p.off_expert_recv_count);
+    const uint32_t* recv_count = recv_counts(p, s.epoch);
     for (uint32_t e = dispatch_thread; e < kNumExpertsPerRank; e += kNumDispatchThreads) {
         uint32_t total = 0;
         #pragma unroll

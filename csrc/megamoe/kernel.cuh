@@ -2,7 +2,7 @@
 //   all threads   inputs given by address: copied into the symmetric buffer before the split
 //                 (the profile's consumer start slot includes it)
 //   warp 0        TMA producer for both GEMMs
-//   warps 1-3     dispatch: count -> publish -> schedule -> pull
+//   warps 1-3     dispatch: count (into the owners' counters) -> exchange -> schedule -> pull
 //   warpgroups 1-2  WGMMA consumers: L1 + SwiGLU, L2 + combine push; then barrier,
 //                 cleanup and the top-k reduce into y
 // One CTA per SM, all co-resident (the grid barriers need it).
@@ -48,9 +48,9 @@ __device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, uin
 
 // Inputs given by address (mega_moe(..., x=..., x_sf=..., topk_idx=..., topk_weights=...)): the
 // whole grid copies this call's rows into the buffer before the roles split, instead of a
-// separate copy before the launch.  The block barrier after it, the system fence before the
-// count barrier and the rank barrier publish the copies to the peers that pull from them, the
-// same chain that publishes the count phase's remote writes.
+// separate copy before the launch.  The block barrier after it and the count exchange (a
+// system fence, then release adds that every peer acquires) publish the copies to the peers
+// that pull from them, the same chain that publishes the count phase's remote writes.
 __device__ __forceinline__ void copy_given_inputs(const Params& p) {
     const uint64_t n = p.num_tokens;
     const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -69,22 +69,10 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     Schedule& s = ss.schedule;
 
-    dispatch_count(p, dispatch_thread);
+    dispatch_count(p, s.epoch, dispatch_thread);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-    if (dispatch_thread == 0) {
-        __threadfence_system();
-        grid_barrier(p, grid_sync + 0, kPhaseCountBarrier);
-    }
-    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-    if (blockIdx.x == 0) {
-        dispatch_publish(p, dispatch_thread);
-        ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-        if (dispatch_thread == 0)
-            rank_signal(p, s.epoch * 4 + 1);
-    }
-    // Every CTA acquires the ranks' flags itself (no second grid barrier behind CTA 0's wait).
     if (dispatch_thread == 0)
-        rank_wait(p, s.epoch * 4 + 1, kPhaseCountRankBarrier);
+        count_exchange(p, grid_sync + (s.epoch & 1));
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
 
     build_schedule(p, s, dispatch_thread);
@@ -127,15 +115,19 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     const uint32_t stride = gridDim.x * kNumConsumerThreads;
     uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
     uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
-    uint32_t* send_count = at<uint32_t>(p, p.off_expert_send_count);
+    uint32_t* recv_count = recv_counts(p, ss.schedule.epoch);
     for (uint32_t i = gt; i < ss.schedule.num_blocks(); i += stride) {
         l1_arrival[i] = 0;
         l2_arrival[i] = 0;
     }
-    for (uint32_t i = gt; i < kNumExperts; i += stride)
-        send_count[i] = 0;
-    if (gt == 0)
+    // This call's parity: every local CTA has built its schedule from it (before the combine
+    // barrier), and no peer adds to it again before the call after next (count_exchange).
+    for (uint32_t i = gt; i < kNumRanks * kNumExpertsPerRank; i += stride)
+        recv_count[i] = 0;
+    if (gt == 0) {
+        grid_sync[ss.schedule.epoch & 1] = 0;  // count-exchange arrivals
         grid_sync[5] = 0;  // tile counter: every producer has taken its last tile
+    }
 
     combine_reduce(p, blockIdx.x * 8 + ct / 32, gridDim.x * 8, ct % 32);
     MEGAMOE_PROF(if (prof) {

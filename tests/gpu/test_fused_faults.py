@@ -312,7 +312,8 @@ def test_a_rank_that_never_arrives_times_out_with_a_diagnostic(tmp_path):
     assert skipped, out
     seconds, diagnostic = failure_line(out)
     match = re.fullmatch(
-        r"megamoe kernel failed on rank 0: count barrier \((grid|ranks)\); CTA \d+, thread \d+, index \d+: "
+        r"megamoe kernel failed on rank 0: count exchange \(index 0: ranks announced; index 1: CTAs of every rank "
+        r"arrived\); CTA \d+, thread \d+, index 0: "
         r"expected (\d+), observed (\d+)",
         diagnostic,
     )
