@@ -255,7 +255,8 @@ PROFILE_SLOTS = (
     "tile_wait", "stage_wait", "mainloop", "epilogue_l1", "epilogue_l2", "tiles_l1", "tiles_l2",
     "producer_arrival", "producer_empty", "producer_total", "consumer_loop", "consumer_start",
     "combine_barrier", "reduce", "consumer_total", "samplers", "dispatch_pull", "dispatch_schedule",
-    "epilogue_l1_math", "epilogue_l1_release", "mainloop_l1", "mainloop_head",
+    "epilogue_l1_math", "epilogue_l1_release", "mainloop_l1", "mainloop_head", "dispatch_start",
+    "dispatch_count", "dispatch_exchange",
 )
 
 

@@ -234,7 +234,9 @@ def print_profile(c: dict, config, rank=None, kb_l1: int = 0, kb_l2: int = 0) ->
         f"      reduce              {c['reduce'] / n:12.0f} {pct(c['reduce'] / n)}",
         f"    producer per CTA: arrival waits {c['producer_arrival'] / ctas:.0f}, empty waits {c['producer_empty'] / ctas:.0f}, "
         f"loop {c['producer_total'] / ctas:.0f}",
-        f"    dispatch per CTA: count/exchange/schedule {c['dispatch_schedule'] / ctas:.0f}, pull {c['dispatch_pull'] / ctas:.0f}",
+        f"    dispatch per CTA: start -> roles split {c.get('dispatch_start', 0) / ctas:.0f}, count/exchange/schedule "
+        f"{c['dispatch_schedule'] / ctas:.0f} (count {c.get('dispatch_count', 0) / ctas:.0f}, exchange "
+        f"{c.get('dispatch_exchange', 0) / ctas:.0f}), pull {c['dispatch_pull'] / ctas:.0f}",
     ]
     print("\n".join(lines), flush=True)
     sys.stdout.flush()

@@ -102,6 +102,9 @@ enum ProfileSlot : uint32_t {
     kProfEpilogueL1Release = 19, // L1 epilogue: proxy fence, barrier, release
     kProfMainloopL1 = 20,        // consumer: k loops of L1 tiles (kProfMainloop - this = L2 tiles)
     kProfMainloopHead = 21,      // consumer: the first two K blocks of every tile
+    kProfDispatchStart = 22,     // dispatch: CTA start (thread 0's first instruction) -> roles split
+    kProfDispatchCount = 23,     // dispatch: count phase (its atomics and stores issued)
+    kProfDispatchExchange = 24,  // dispatch: count exchange (fence, adds, wait for every CTA)
 };
 
 // Phases named in timeout diagnostics

@@ -65,14 +65,20 @@ __device__ __forceinline__ void copy_given_inputs(const Params& p) {
 }
 
 __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss, uint32_t dispatch_thread) {
-    MEGAMOE_PROF(if (dispatch_thread == 0) ss.prof[2][4] = clock64();)
+    MEGAMOE_PROF(if (dispatch_thread == 0) {
+        ss.prof[2][4] = clock64();
+        MEGAMOE_PROF_ADD(kProfDispatchStart, ss.prof[2][4] - ss.prof[2][3]);
+    })
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     Schedule& s = ss.schedule;
 
     dispatch_count(p, s.epoch, dispatch_thread);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-    if (dispatch_thread == 0)
+    if (dispatch_thread == 0) {
+        MEGAMOE_PROF(const uint64_t prof_t0 = clock64(); MEGAMOE_PROF_ADD(kProfDispatchCount, prof_t0 - ss.prof[2][4]);)
         count_exchange(p, grid_sync + (s.epoch & 1));
+        MEGAMOE_PROF_ADD(kProfDispatchExchange, clock64() - prof_t0);
+    }
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
 
     build_schedule(p, s, dispatch_thread);
