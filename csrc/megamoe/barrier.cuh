@@ -27,12 +27,13 @@ __device__ __forceinline__ void grid_barrier(const Params& p, uint64_t* counter,
         d.check(p, phase, gen + 1, now, 0);
 }
 
-// The count exchange: every CTA of every rank announces that its pairs are counted (its
-// atomics on the owners' receive counters and its stores into their tables are done) by one
-// release add on every rank's `arrivals` word, and waits until its own word says that every
-// CTA of every rank has.  One add carries a CTA (bits 0-19); CTA 0's also carries its grid
-// size (bits 20-39) and its rank (bits 40-47), so no rank needs the others' grid sizes: the
-// exchange is complete once every rank is announced and the CTAs equal the announced sizes.
+// The count exchange: every working CTA of every rank announces that its pairs are counted
+// (its atomics on the owners' receive counters and its stores into their tables are done)
+// and its inputs copied by one release add on every rank's `arrivals` word, and every CTA
+// waits until its own word says that every working CTA of every rank has.  One add carries a
+// CTA (bits 0-19); CTA 0's also carries its rank's number of working CTAs (bits 20-39) and
+// its rank (bits 40-47), so no rank needs the others' counts: the exchange is complete once
+// every rank is announced and the CTAs equal the announced numbers.
 // The word is this call's parity's ([0] or [1] of grid_sync), zeroed by the cleanup phase.
 // NOTES: a peer adds to the same parity's word again two calls later, after this rank's next
 // combine barrier, which this rank signals only after its cleanup (program order, and the
@@ -40,12 +41,17 @@ __device__ __forceinline__ void grid_barrier(const Params& p, uint64_t* counter,
 // and a cross-rank barrier.
 constexpr uint64_t kExchangeGridUnit = 1ull << 20, kExchangeRankUnit = 1ull << 40;
 
-__device__ __forceinline__ void count_exchange(const Params& p, uint64_t* arrivals) {
-    const uint64_t add = 1 + (blockIdx.x == 0 ? kExchangeRankUnit + gridDim.x * kExchangeGridUnit : 0);
-    __threadfence_system();
-    #pragma unroll
-    for (uint32_t r = 0; r < kNumRanks; ++r)
-        ptx::red_release_sys_add_u64(map_to_rank(p, arrivals, r), add);
+// Only the CTAs that wrote something the peers read before the exchange (`working`: the
+// first ones, see dispatch_role) take part; the others only wait, so a CTA that starts late
+// delays the exchange only when it has pairs to count or inputs to copy.
+__device__ __forceinline__ void count_exchange(const Params& p, uint64_t* arrivals, uint32_t working) {
+    if (blockIdx.x < working) {
+        const uint64_t add = 1 + (blockIdx.x == 0 ? kExchangeRankUnit + working * kExchangeGridUnit : 0);
+        __threadfence_system();
+        #pragma unroll
+        for (uint32_t r = 0; r < kNumRanks; ++r)
+            ptx::red_release_sys_add_u64(map_to_rank(p, arrivals, r), add);
+    }
     Deadline d(p.timeout_ns);
     while (true) {
         const uint64_t v = ptx::ld_acquire_sys_u64(arrivals);

@@ -76,7 +76,13 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
     if (dispatch_thread == 0) {
         MEGAMOE_PROF(const uint64_t prof_t0 = clock64(); MEGAMOE_PROF_ADD(kProfDispatchCount, prof_t0 - ss.prof[2][4]);)
-        count_exchange(p, grid_sync + (s.epoch & 1));
+        // Working CTAs: those with pairs to count (kNumDispatchThreads pairs per CTA) or inputs
+        // to copy (copy_given_inputs: x is the largest copy, 16 bytes per thread; CTA 0 always).
+        const uint32_t pair_ctas = ceil_div(static_cast<uint32_t>(p.num_tokens) * kNumTopk, kNumDispatchThreads);
+        const uint32_t copy_ctas =
+            p.in_x != 0 ? ceil_div(static_cast<uint32_t>(p.num_tokens) * (kHidden / 16), kNumThreads) : 0;
+        const uint32_t working = max(1u, min(gridDim.x, max(pair_ctas, copy_ctas)));
+        count_exchange(p, grid_sync + (s.epoch & 1), working);
         MEGAMOE_PROF_ADD(kProfDispatchExchange, clock64() - prof_t0);
     }
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
