@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,34 @@ def _group_info(group) -> Tuple[int, int]:
     return 0, 1
 
 
+def check_peer_atomics(rank: int, bus_ids: Sequence[str], device_of: Callable[[str], Optional[int]],
+                       native: Callable[[int, int], bool]) -> int:
+    """Refuse a group in which this rank's GPU cannot do native atomics on a peer's memory.
+
+    The kernel's count phase adds to the owners' counters across GPUs (system-scope atomics on
+    peer memory), which are atomic only where the link supports them natively (NVLink; PCIe
+    peer-to-peer usually does not).  ``bus_ids``: every rank's PCI bus id; ``device_of`` maps one
+    to this process's device (None: not visible here, so not checked).  Returns the number of
+    peers checked.
+    """
+    me = device_of(bus_ids[rank])
+    if me is None:
+        return 0
+    checked = 0
+    for peer_rank, bus in enumerate(bus_ids):
+        peer = device_of(bus)
+        if peer_rank == rank or peer is None or peer == me:
+            continue
+        if not native(me, peer):
+            raise MegaMoEError(
+                f"rank {rank} (GPU {bus_ids[rank]}) cannot do native atomics on rank {peer_rank}'s memory "
+                f"(GPU {bus}); the fused kernel needs GPUs joined by NVLink (native peer atomics), "
+                f"expected every pair of ranks to support them"
+            )
+        checked += 1
+    return checked
+
+
 class SymmBuffer:
     """One rank's symmetric buffer (identical layout on every rank of ``group``).
 
@@ -127,7 +155,12 @@ class SymmBuffer:
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
+            from .jit import driver
+
             group_obj = group if group is not None else dist.group.WORLD
+            bus_ids: List[Optional[str]] = [None] * self.world_size
+            dist.all_gather_object(bus_ids, driver.pci_bus_id(self.device.index), group=group_obj)
+            check_peer_atomics(self.rank, bus_ids, driver.device_by_pci_bus_id, driver.peer_native_atomics)
             self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.handle = symm_mem.rendezvous(self.buffer, group_obj)
             ptrs = list(self.handle.buffer_ptrs)

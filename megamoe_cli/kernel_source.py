@@ -276,6 +276,7 @@ def smem_bytes(variant: Variant) -> int:
     stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
     barriers = 16 * variant.num_stages + 16 * variant.num_stages + 16  # full/empty, stage_tile (uint4) + alignment
+    tile_slots = 8 * (variant.num_stages + 2)  # the cluster leader's tile forwards (kTileSlots)
     schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
     profile = 3 * 12 * 8  # cycle counters of profiling builds
-    return stages + staging + barriers + schedule + profile + 1024 + 256  # alignment slack
+    return stages + staging + barriers + tile_slots + schedule + profile + 1024 + 256  # alignment slack

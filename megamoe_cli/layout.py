@@ -215,7 +215,7 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "zeroed by the kernel's cleanup phase",
     ),
     "src_token_topk_idx": (
-        "peer r stores [expert][r][slot] = token*topk+k before the count barrier",
+        "peer r stores [expert][r][slot] = token*topk+k before the count exchange",
         "local pull",
         "overwritten every call",
     ),

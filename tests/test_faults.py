@@ -607,3 +607,27 @@ def test_a_tuned_config_write_killed_midway_leaves_the_old_or_the_new_store(tmp_
     tuned.merge_and_save([tuned.make_entry(key, {"num_stages": 2}, 1.0, 2.0, date="d", commit="after")], path)
     assert tuned.lookup(key, path) == {"num_stages": 2}
     assert len(tuned.load(path)) == NUM_ENTRIES + 1
+
+
+# Peer atomics: the count phase adds to the owners' counters across GPUs
+
+
+def test_a_group_whose_gpus_lack_native_peer_atomics_is_refused_by_name():
+    bus = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"]
+    devices = {b: i for i, b in enumerate(bus)}
+    with pytest.raises(MegaMoEError) as caught:
+        fused.check_peer_atomics(0, bus, devices.get, lambda me, peer: peer != 2)
+    message = str(caught.value)
+    assert "rank 0 (GPU 0000:18:00.0)" in message and "rank 2's memory (GPU 0000:3a:00.0)" in message
+    assert "NVLink" in message
+    # Every pair supported: each peer checked once, none refused.
+    asked = []
+    assert fused.check_peer_atomics(1, bus, devices.get, lambda me, peer: asked.append((me, peer)) or True) == 2
+    assert asked == [(1, 0), (1, 2)]
+
+
+def test_peers_this_process_cannot_see_are_not_checked():
+    bus = ["0000:18:00.0", "0000:2a:00.0"]
+    only_mine = {"0000:18:00.0": 0}.get
+    assert fused.check_peer_atomics(0, bus, only_mine, lambda me, peer: False) == 0
+    assert fused.check_peer_atomics(1, bus, {}.get, lambda me, peer: False) == 0

@@ -90,7 +90,7 @@ constexpr uint32_t kNoMoreTiles = 0xffffffffu;
 // tile stay close in time (L2 reuse).  With clusters only the leader (cluster rank 0) takes
 // tiles; it forwards each one to the other CTAs' `tile_slot` ring through distributed shared
 // memory as (sequence << 32 | tile), so every CTA of a cluster works on the same unit.
-// NOTES: a ring of kTileSlots > kNumStages + 1 slots cannot be overrun: the leader takes tile
+// NOTES: a ring of kTileSlots >= kNumStages + 1 slots cannot be overrun (one more for margin): the leader takes tile
 // i only after issuing tile i - 1's last stage (iteration L), whose empty wait needs every CTA's
 // consumers to have released iteration L - kNumStages; that iteration belongs to tile
 // i - 1 - kNumStages or later (every tile has at least one K block), so the other producers
@@ -123,7 +123,9 @@ struct TileSource {
             }
             uint64_t v = ptx::ld_relaxed_cluster_shared_u64(slots + slot);
             if ((v >> 32) != (seq >> 32)) {
-                Deadline d(p.timeout_ns);
+                // Twice the deadline: this wait only follows the leader's stage waits, whose own
+                // diagnostic names the real cause, so it must fire first.
+                Deadline d(2 * p.timeout_ns);
                 while (((v = ptx::ld_relaxed_cluster_shared_u64(slots + slot)) >> 32) != (seq >> 32))
                     d.check(p, kPhaseClusterTile, seq >> 32, v >> 32, slot);
             }
@@ -158,7 +160,7 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             MEGAMOE_PROF_ADD(kProfProducerEmpty, prof_empty);
             MEGAMOE_PROF_ADD(kProfProducerTotal, clock64() - ss.prof[2][2]);
             const uint32_t stage = it % kNumStages;
-            mbar_wait(p, &ss.empty[stage], ((it / kNumStages) & 1) ^ 1);
+            empty_wait(p, &ss.empty[stage], ((it / kNumStages) & 1) ^ 1);
             ss.stage_tile[stage] = make_uint4(kNoMoreTiles, 0, 0, 0);
             ptx::mbar_arrive(&ss.full[stage]);
             return;
@@ -204,7 +206,7 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
             MEGAMOE_PROF(const uint64_t prof_t2 = clock64();)
-            mbar_wait(p, &ss.empty[stage], phase ^ 1);
+            empty_wait(p, &ss.empty[stage], phase ^ 1);
             MEGAMOE_PROF(prof_empty += clock64() - prof_t2;)
             ss.stage_tile[stage] = packed;
             if (tile.valid) {

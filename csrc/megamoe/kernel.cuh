@@ -78,6 +78,7 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
         MEGAMOE_PROF(const uint64_t prof_t0 = clock64(); MEGAMOE_PROF_ADD(kProfDispatchCount, prof_t0 - ss.prof[2][4]);)
         // Working CTAs: those with pairs to count (kNumDispatchThreads pairs per CTA) or inputs
         // to copy (copy_given_inputs: x is the largest copy, 16 bytes per thread; CTA 0 always).
+        static_assert(kNumTopk * 8 <= kHidden, "x must be the largest input copy (working CTAs)");
         const uint32_t pair_ctas = ceil_div(static_cast<uint32_t>(p.num_tokens) * kNumTopk, kNumDispatchThreads);
         const uint32_t copy_ctas =
             p.in_x != 0 ? ceil_div(static_cast<uint32_t>(p.num_tokens) * (kHidden / 16), kNumThreads) : 0;

@@ -26,6 +26,7 @@ CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 3
 PARAMS_ALIGN_BYTES = 64
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)
@@ -75,6 +76,9 @@ _SIGNATURES = {
     "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
     "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
     "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+    "cuDeviceGetPCIBusId": [ctypes.c_char_p, ctypes.c_int, ctypes.c_int],
+    "cuDeviceGetByPCIBusId": [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p],
+    "cuDeviceGetP2PAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int],
     "cuDevicePrimaryCtxRetain": [_c_void_pp, ctypes.c_int],
     "cuCtxGetCurrent": [_c_void_pp],
     "cuCtxSetCurrent": [ctypes.c_void_p],
@@ -183,6 +187,31 @@ def is_available() -> bool:
         return count.value > 0
     except RuntimeError:
         return False
+
+
+def pci_bus_id(device: int) -> str:
+    """The device's PCI bus id (``domain:bus:device.function``), the same in every process."""
+    out = ctypes.create_string_buffer(32)
+    handle = ctypes.c_int()
+    _call("cuDeviceGet", ctypes.byref(handle), device, what=f"device {device}")
+    _call("cuDeviceGetPCIBusId", out, len(out), handle.value, what=f"device {device}")
+    return out.value.decode()
+
+
+def device_by_pci_bus_id(bus_id: str) -> Optional[int]:
+    """This process's device with that PCI bus id, or None when it does not see it."""
+    handle = ctypes.c_int()
+    if _function("cuDeviceGetByPCIBusId")(ctypes.byref(handle), bus_id.encode()) != CUDA_SUCCESS:
+        return None
+    return handle.value
+
+
+def peer_native_atomics(device: int, peer: int) -> bool:
+    """Whether atomics from ``device`` on ``peer``'s memory are native (NVLink; PCIe usually not)."""
+    value = ctypes.c_int()
+    _call("cuDeviceGetP2PAttribute", ctypes.byref(value), CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+          device, peer, what=f"native atomics {device} -> {peer}")
+    return value.value != 0
 
 
 def _default_device() -> int:
