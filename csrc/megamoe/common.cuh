@@ -202,26 +202,19 @@ __device__ __forceinline__ bool mbar_wait_or_timeout(const Params& p, uint64_t* 
     return true;
 }
 
+template <bool kAcquireCluster = false>
 __device__ __forceinline__ void mbar_wait(const Params& p, uint64_t* bar, uint32_t parity) {
-    if (ptx::mbar_try_wait(bar, parity))
+    if (ptx::mbar_try_wait<kAcquireCluster>(bar, parity))
         return;
     Deadline d(p.timeout_ns);
-    while (!ptx::mbar_try_wait(bar, parity))
+    while (!ptx::mbar_try_wait<kAcquireCluster>(bar, parity))
         d.check(p, kPhasePipeline, parity, parity ^ 1, 0);
 }
 
 // A stage's empty barrier: with clusters, the other CTAs' consumers release it (arrive with
 // release.cluster), so the wait acquires at cluster scope before the stage is overwritten.
 __device__ __forceinline__ void empty_wait(const Params& p, uint64_t* bar, uint32_t parity) {
-    if constexpr (kClusterM == 1) {
-        mbar_wait(p, bar, parity);
-    } else {
-        if (ptx::mbar_try_wait_acquire_cluster(bar, parity))
-            return;
-        Deadline d(p.timeout_ns);
-        while (!ptx::mbar_try_wait_acquire_cluster(bar, parity))
-            d.check(p, kPhasePipeline, parity, parity ^ 1, 0);
-    }
+    mbar_wait<(kClusterM > 1)>(p, bar, parity);
 }
 
 }  // namespace megamoe
