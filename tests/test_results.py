@@ -269,3 +269,21 @@ def test_summary_shows_calls_per_sample_only_when_some_row_used_several(tmp_path
     assert columns.index("calls_per_sample") == columns.index("time_us_median") + 1
     assert list(view["calls_per_sample"]) == [1, 20]
     assert "calls/sample" in markdown_table(view)
+
+
+def test_summary_shows_the_sample_count_only_when_rows_differ_in_it(tmp_path):
+    from megamoe_cli.cli._tables import markdown_table
+
+    same = tmp_path / "same.csv"
+    append_rows(same, [ok_row(points()[0], 50.0), ok_row(points()[1], 200.0)])
+    assert "iters" not in summary(read_results(same)).columns
+
+    mixed = tmp_path / "mixed.csv"
+    longer = load_sweep_text(SWEEP + "iters: 30\n").points
+    append_rows(mixed, [ok_row(points()[0], 50.0), ok_row(longer[0], 48.0, run_id="run2")])
+    view = summary(read_results(mixed))
+    columns = list(view.columns)
+    assert columns.index("iters") == columns.index("time_us_median") + 1
+    assert list(view["iters"]) == [points()[0].iters, 30] and points()[0].iters != 30
+    table = markdown_table(view)
+    assert "| samples |" in table and "| 30 |" in table

@@ -460,7 +460,9 @@ def with_speedup(frame):
 def summary(frame):
     """A compact view for display: one line per row with the baseline ratio.  When some row was
     timed over several calls per sample, a ``calls_per_sample`` column follows the time, so
-    steady-state rows are never read as single calls."""
+    steady-state rows are never read as single calls; when the rows' medians are over different
+    numbers of timed samples (``iters``), that column follows too, so a 10-sample median is not
+    read beside a 30-sample one as if alike."""
     frame = with_speedup(frame)
 
     def shape_name(row) -> str:
@@ -472,4 +474,6 @@ def summary(frame):
     columns = list(SUMMARY_COLUMNS)
     if len(frame) and (frame["calls_per_sample"].fillna(1) != 1).any():
         columns.insert(columns.index("time_us_median") + 1, "calls_per_sample")
+    if len(frame) and frame["iters"].nunique(dropna=True) > 1:
+        columns.insert(columns.index("time_us_median") + 1, "iters")
     return frame[columns]

@@ -9,13 +9,14 @@ HEADERS = {
     "block_m": "block_m",
     "status": "status",
     "time_us_median": "time us (median)",
+    "iters": "samples",
     "calls_per_sample": "calls/sample",
     "tflops": "TFLOPS",
     "floor_fraction": "of floor",
     "rel_err": "rel err",
     "speedup_vs_torch": "vs torch",
 }
-NUMERIC = ("num_tokens", "block_m", "time_us_median", "calls_per_sample", "tflops", "floor_fraction", "rel_err", "speedup_vs_torch")
+NUMERIC = ("num_tokens", "block_m", "time_us_median", "iters", "calls_per_sample", "tflops", "floor_fraction", "rel_err", "speedup_vs_torch")
 
 
 def plain(value):
