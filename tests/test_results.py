@@ -254,36 +254,23 @@ def test_result_rows_take_the_commit_from_the_environment_over_a_checkouts_own(t
     assert envinfo.git_info(tmp_path) == {"git_commit": "", "git_dirty": None}
 
 
-def test_summary_shows_calls_per_sample_only_when_some_row_used_several(tmp_path):
-    from megamoe_cli.cli._tables import markdown_table
-
-    single = tmp_path / "single.csv"
-    append_rows(single, [ok_row(points()[0], 50.0), ok_row(points()[1], 200.0)])
-    assert "calls_per_sample" not in summary(read_results(single)).columns
-
-    mixed = tmp_path / "mixed.csv"
-    loop = load_sweep_text(SWEEP + "calls_per_sample: 20\n").points
-    append_rows(mixed, [ok_row(points()[0], 50.0), ok_row(loop[0], 40.0, run_id="run2")])
-    view = summary(read_results(mixed))
-    columns = list(view.columns)
-    assert columns.index("calls_per_sample") == columns.index("time_us_median") + 1
-    assert list(view["calls_per_sample"]) == [1, 20]
-    assert "calls/sample" in markdown_table(view)
-
-
-def test_summary_shows_the_sample_count_only_when_rows_differ_in_it(tmp_path):
+@pytest.mark.parametrize("column,header,setting,value", [
+    ("calls_per_sample", "calls/sample", "calls_per_sample: 20", 20),  # some row timed over several calls
+    ("iters", "samples", "iters: 30", 30),  # rows whose medians are over different sample counts
+])
+def test_summary_shows_a_timing_column_only_when_rows_differ_in_it(tmp_path, column, header, setting, value):
     from megamoe_cli.cli._tables import markdown_table
 
     same = tmp_path / "same.csv"
     append_rows(same, [ok_row(points()[0], 50.0), ok_row(points()[1], 200.0)])
-    assert "iters" not in summary(read_results(same)).columns
+    assert column not in summary(read_results(same)).columns
 
     mixed = tmp_path / "mixed.csv"
-    longer = load_sweep_text(SWEEP + "iters: 30\n").points
-    append_rows(mixed, [ok_row(points()[0], 50.0), ok_row(longer[0], 48.0, run_id="run2")])
+    other = load_sweep_text(SWEEP + setting + "\n").points
+    append_rows(mixed, [ok_row(points()[0], 50.0), ok_row(other[0], 40.0, run_id="run2")])
     view = summary(read_results(mixed))
     columns = list(view.columns)
-    assert columns.index("iters") == columns.index("time_us_median") + 1
-    assert list(view["iters"]) == [points()[0].iters, 30] and points()[0].iters != 30
+    assert columns.index(column) == columns.index("time_us_median") + 1
+    assert list(view[column]) == [getattr(points()[0], column), value] and getattr(points()[0], column) != value
     table = markdown_table(view)
-    assert "| samples |" in table and "| 30 |" in table
+    assert f"| {header} |" in table and f"| {value} |" in table
