@@ -37,8 +37,8 @@ __device__ __forceinline__ void grid_barrier(const Params& p, uint64_t* counter,
 // The word is this call's parity's ([0] or [1] of grid_sync), zeroed by the cleanup phase.
 // NOTES: a peer adds to the same parity's word again two calls later, after this rank's next
 // combine barrier, which this rank's next kernel signals only after this kernel's cleanup
-// (stream order, and the system fence before the signal).  Replaces a grid barrier, CTA 0's publish of the counts
-// and a cross-rank barrier.
+// (stream order, and the system fence before the signal).  Replaces a grid barrier, CTA 0's
+// publish of the counts and a cross-rank barrier.
 constexpr uint64_t kExchangeGridUnit = 1ull << 20, kExchangeRankUnit = 1ull << 40;
 
 // Only the CTAs that wrote something the peers read before the exchange (`working`: the

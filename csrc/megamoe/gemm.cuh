@@ -6,6 +6,9 @@
 
 namespace megamoe {
 
+// Slots of the ring through which a cluster leader forwards tiles (TileSource)
+constexpr uint32_t kTileSlots = kNumStages + 2;
+
 struct SharedStorage {
     // Stage buffers (each A/B tile 1024-byte aligned for the 128B swizzle)
     uint8_t a[kNumStages][kSmemABytes];
@@ -20,7 +23,7 @@ struct SharedStorage {
     // The stage's tile as the producer decoded it (pack_tile), or kNoMoreTiles in .x
     alignas(16) uint4 stage_tile[kNumStages];
     // Tiles forwarded by the cluster leader's producer (TileSource); zeroed at start
-    uint64_t tile_slot[kNumStages + 2];
+    uint64_t tile_slot[kTileSlots];
     Schedule schedule;
     MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
 };
@@ -90,13 +93,12 @@ constexpr uint32_t kNoMoreTiles = 0xffffffffu;
 // tile stay close in time (L2 reuse).  With clusters only the leader (cluster rank 0) takes
 // tiles; it forwards each one to the other CTAs' `tile_slot` ring through distributed shared
 // memory as (sequence << 32 | tile), so every CTA of a cluster works on the same unit.
-// NOTES: a ring of kTileSlots >= kNumStages + 1 slots cannot be overrun (one more for margin): the leader takes tile
-// i only after issuing tile i - 1's last stage (iteration L), whose empty wait needs every CTA's
-// consumers to have released iteration L - kNumStages; that iteration belongs to tile
-// i - 1 - kNumStages or later (every tile has at least one K block), so the other producers
-// have read slot i - 1 - kNumStages and every slot before it.
+// NOTES: a ring of kTileSlots >= kNumStages + 1 slots cannot be overrun (one more for margin):
+// the leader takes tile i only after issuing tile i - 1's last stage (iteration L), whose empty
+// wait needs every CTA's consumers to have released iteration L - kNumStages; that iteration
+// belongs to tile i - 1 - kNumStages or later (every tile has at least one K block), so the
+// other producers have read slot i - 1 - kNumStages and every slot before it.
 // (MEGAMOE_EXP_STATIC_TILES, a diagnostic: entry 4's static round robin over clusters.)
-constexpr uint32_t kTileSlots = kNumStages + 2;
 
 struct TileSource {
     uint32_t* counter;
