@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|knob|iterate|cycles|tiers|final|publish|record|profile|stalls|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|knob|iterate|cycles|power|tiers|final|publish|record|profile|stalls|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 # mainloop [args]: the main-loop microbenchmark (microsweep: under each operand source); ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
@@ -120,6 +120,39 @@ case "$MODE" in
       run ep_cycles_prefill 200 torchrun --standalone --nproc-per-node "$NGPU" scripts/profile_fused.py --profile --tokens 8192 --configs 128:4 --iters 3 --warmup 1
     fi
     run bench_dsv3 300 python3 -m megamoe_cli bench --preset deepseek-v3 --tokens 1,128,8192 --backend fused,torch --iters 10 --out "$OUT/bench.csv"
+    ;;
+  power)  # SM clock and power per config on GPU 0 (nvidia-smi every 50 ms while POWER_ITERS calls run),
+          # POWER_CONFIGS alternated twice at POWER_TOKENS (one GPU), then their cycle counters
+    CONFIGS=${POWER_CONFIGS:-128:4 128:4:0:2}
+    for r in 1 2; do
+      for c in $CONFIGS; do
+        tag=$(echo "$c" | tr ':' '_')
+        nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.sw_power_cap \
+          --format=csv,noheader,nounits -lms 50 > "$OUT/smi_${tag}_$r.csv" 2>&1 &
+        SMI=$!
+        run "power_${tag}_$r" 300 python3 scripts/profile_fused.py --preset deepseek-v3 --tokens ${POWER_TOKENS:-16384} \
+          --configs "$c" --iters ${POWER_ITERS:-100} --warmup 3
+        kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
+        python3 - "$OUT/smi_${tag}_$r.csv" <<'PY'
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        rows.append((float(f[1]), float(f[2]), f[3] == "Active"))
+    except (IndexError, ValueError):
+        pass
+busy = [r for r in rows if r[1] > 300]
+if busy:
+    n = len(busy)
+    print(f"{sys.argv[1]}: {n} busy samples (power > 300 W) of {len(rows)}: clock {sum(r[0] for r in busy) / n:.0f} MHz, "
+          f"power {sum(r[1] for r in busy) / n:.0f} W, SW power cap active in {sum(r[2] for r in busy)}")
+else:
+    print(f"{sys.argv[1]}: no busy samples of {len(rows)}")
+PY
+      done
+    done
+    run cycles 300 python3 scripts/profile_fused.py --profile --tokens ${POWER_TOKENS:-16384} --configs "$(echo $CONFIGS | tr ' ' ',')" --iters 3 --warmup 1
     ;;
   tiers)
     run gpu_ws1 280 python3 -m pytest tests/gpu -q -p no:cacheprovider -m "not soak"

@@ -31,7 +31,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 // kAcquireCluster: acquire at cluster scope, for barriers that other CTAs of the cluster arrive
-// on with release.cluster (the empty barriers of a multicast stage); default: CTA scope.
+// on (the empty barriers of a multicast stage); default: CTA scope.
 template <bool kAcquireCluster = false>
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
     uint32_t ok;
@@ -130,8 +130,12 @@ __device__ __forceinline__ uint64_t ld_relaxed_cluster_shared_u64(const uint64_t
     asm volatile("ld.relaxed.cluster.shared::cta.u64 %0, [%1];" : "=l"(v) : "r"(smem_addr(ptr)) : "memory");
     return v;
 }
+// Arrive on a barrier of any CTA of the cluster, with the default semantics (release, CTA
+// scope).  A consumer releases a stage only after wgmma.wait_group has retired its reads,
+// so nothing is left to order; `.release.cluster` compiles to MEMBAR.ALL.GPU before every
+// arrive, twice per warp per K block in the main loop (notes entry 46).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_smem_addr) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_smem_addr) : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_smem_addr) : "memory");
 }
 // TMA load written to the same offset in every CTA of `mask`, completing on each one's mbarrier.
 __device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const void* tmap, uint64_t* bar, int32_t c0,
