@@ -119,6 +119,15 @@ class Variant:
         if self.shape.num_topk > 32:
             raise MegaMoEError(f"the fused kernel supports num_topk <= 32, got {self.shape.num_topk}")
         KernelConfig(block_m=self.block_m, num_stages=self.num_stages, cluster_m=self.cluster_m).validate()
+        s = self.shape
+        n_tiles = {f"L1 (2 x intermediate {s.intermediate})": 2 * s.intermediate // BLOCK_N,
+                   f"L2 (hidden {s.hidden})": s.hidden // BLOCK_N}
+        for layer, count in n_tiles.items():
+            if count % self.cluster_m:
+                raise MegaMoEError(
+                    f"cluster_m={self.cluster_m} pairs the {BLOCK_N}-column tiles of an expert's last block, so both "
+                    f"layers need a multiple of {self.cluster_m} of them; {layer} has {count}; use cluster_m=1"
+                )
         if smem_bytes(self) > MAX_SMEM_BYTES:
             raise MegaMoEError(
                 f"variant {self.name} needs {smem_bytes(self)} bytes of shared memory, more than the "
@@ -277,6 +286,6 @@ def smem_bytes(variant: Variant) -> int:
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
     barriers = 16 * variant.num_stages + 16 * variant.num_stages + 16  # full/empty, stage_tile (uint4) + alignment
     tile_slots = 8 * (variant.num_stages + 2)  # the cluster leader's tile forwards (kTileSlots)
-    schedule = 4 * (e_local + 3 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
+    schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
     profile = 3 * 12 * 8  # cycle counters of profiling builds
     return stages + staging + barriers + tile_slots + schedule + profile + 1024 + 256  # alignment slack

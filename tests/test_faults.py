@@ -631,3 +631,22 @@ def test_peers_this_process_cannot_see_are_not_checked():
     only_mine = {"0000:18:00.0": 0}.get
     assert fused.check_peer_atomics(0, bus, only_mine, lambda me, peer: False) == 0
     assert fused.check_peer_atomics(1, bus, {}.get, lambda me, peer: False) == 0
+
+
+@pytest.mark.parametrize(
+    "shape,layer,count",
+    [
+        (MoEShape(hidden=7424, intermediate=2048, num_experts=256, num_topk=8), "L2 (hidden 7424)", 29),
+        (MoEShape(hidden=7168, intermediate=1920, num_experts=256, num_topk=8), "L1 (2 x intermediate 1920)", 15),
+    ],
+)
+def test_cluster_variant_refuses_an_odd_number_of_n_tiles(shape, layer, count):
+    from megamoe_cli.kernel_source import Variant
+
+    Variant(shape, 2, 4096, 128, 4, 1).validate()  # without clusters the shape is fine
+    with pytest.raises(MegaMoEError) as caught:
+        Variant(shape, 2, 4096, 128, 4, 2).validate()
+    assert str(caught.value) == (
+        "cluster_m=2 pairs the 256-column tiles of an expert's last block, so both layers need a multiple of 2 "
+        f"of them; {layer} has {count}; use cluster_m=1"
+    )

@@ -12,12 +12,10 @@ struct Schedule {
     uint32_t block_start[kNumExpertsPerRank + 1];
     uint32_t row_start[kNumExpertsPerRank + 1];
     uint32_t src_start[kNumExpertsPerRank][kNumRanks + 1];
-    uint32_t unit_start[kNumExpertsPerRank + 1];  // groups of kClusterM blocks per expert
     uint64_t epoch;
 
     __device__ __forceinline__ uint32_t num_blocks() const { return block_start[kNumExpertsPerRank]; }
     __device__ __forceinline__ uint32_t num_rows() const { return row_start[kNumExpertsPerRank]; }
-    __device__ __forceinline__ uint32_t num_units() const { return unit_start[kNumExpertsPerRank]; }
 
     // Largest expert whose start (in `starts`) is <= value.
     __device__ __forceinline__ static uint32_t upper_expert(const uint32_t* starts, uint32_t value) {
@@ -98,37 +96,31 @@ __device__ __forceinline__ void build_schedule(const Params& p, Schedule& s, uin
         constexpr uint32_t kChunk = (kNumExpertsPerRank + 31) / 32;
         const uint32_t begin = min(lane * kChunk, kNumExpertsPerRank);
         const uint32_t end = min(begin + kChunk, kNumExpertsPerRank);
-        uint32_t rows = 0, blocks = 0, units = 0;
+        uint32_t rows = 0, blocks = 0;
         for (uint32_t e = begin; e < end; ++e) {
             rows += s.expert_count[e];
             blocks += ceil_div(s.expert_count[e], kBlockM);
-            units += ceil_div(ceil_div(s.expert_count[e], kBlockM), kClusterM);
         }
-        uint32_t rows_incl = rows, blocks_incl = blocks, units_incl = units;
+        uint32_t rows_incl = rows, blocks_incl = blocks;
         #pragma unroll
         for (uint32_t d = 1; d < 32; d <<= 1) {
             const uint32_t r = __shfl_up_sync(0xffffffffu, rows_incl, d);
             const uint32_t b = __shfl_up_sync(0xffffffffu, blocks_incl, d);
-            const uint32_t u = __shfl_up_sync(0xffffffffu, units_incl, d);
             if (lane >= d) {
                 rows_incl += r;
                 blocks_incl += b;
-                units_incl += u;
             }
         }
-        uint32_t row_acc = rows_incl - rows, block_acc = blocks_incl - blocks, unit_acc = units_incl - units;
+        uint32_t row_acc = rows_incl - rows, block_acc = blocks_incl - blocks;
         for (uint32_t e = begin; e < end; ++e) {
             s.row_start[e] = row_acc;
             s.block_start[e] = block_acc;
-            s.unit_start[e] = unit_acc;
             row_acc += s.expert_count[e];
             block_acc += ceil_div(s.expert_count[e], kBlockM);
-            unit_acc += ceil_div(ceil_div(s.expert_count[e], kBlockM), kClusterM);
         }
         if (lane == 31) {
             s.row_start[kNumExpertsPerRank] = rows_incl;
             s.block_start[kNumExpertsPerRank] = blocks_incl;
-            s.unit_start[kNumExpertsPerRank] = units_incl;
         }
     }
 }

@@ -30,11 +30,14 @@ struct SharedStorage {
 
 struct Tile {
     bool is_l2;
-    bool valid;  // false: this CTA's block of the unit does not exist (it only shares its B half)
+    // With clusters: true when the cluster's CTAs share this block's A (each its own N tile of
+    // an expert's last block, when the expert has an odd number of blocks), false when they
+    // share the N tile's B (consecutive blocks).  Only the producer reads it.
+    bool share_a;
     uint32_t expert;
     uint32_t block;
     uint32_t n;
-    uint32_t rows;  // valid rows of the block (0 when !valid)
+    uint32_t rows;  // valid rows of the block
 };
 
 // The producer decodes each tile once and hands it to the consumers with every stage, so
@@ -44,8 +47,7 @@ static_assert(kNumExpertsPerRank <= 0xffffu && kNumL2NTiles <= 0xffffu && kNumL1
                   kBlockM <= 0xffffu,
               "pack_tile keeps the expert, the N tile and the valid rows in 16 bits each");
 __device__ __forceinline__ uint4 pack_tile(uint32_t t, const Tile& tile) {
-    return make_uint4(t, tile.expert | (tile.n << 16), tile.block,
-                      tile.rows | (tile.is_l2 ? 1u << 16 : 0u) | (tile.valid ? 1u << 17 : 0u));
+    return make_uint4(t, tile.expert | (tile.n << 16), tile.block, tile.rows | (tile.is_l2 ? 1u << 16 : 0u));
 }
 __device__ __forceinline__ Tile unpack_tile(const uint4& v) {
     Tile tile;
@@ -54,35 +56,49 @@ __device__ __forceinline__ Tile unpack_tile(const uint4& v) {
     tile.block = v.z;
     tile.rows = v.w & 0xffffu;
     tile.is_l2 = (v.w >> 16) & 1u;
-    tile.valid = (v.w >> 17) & 1u;
+    tile.share_a = false;
     return tile;
 }
 
-// A unit is kClusterM consecutive M blocks of one expert; a tile is (layer, unit, N tile).
+// A tile is the work of one cluster (one CTA without clusters) in one layer: expert `e` with
+// `nb` blocks has nb * num_n / kClusterM of them, so the tiles of a layer are numbered by the
+// blocks' prefix sum and no CTA of a cluster is ever left without a block.
+static_assert(kNumL1NTiles % kClusterM == 0 && kNumL2NTiles % kClusterM == 0,
+              "clusters pair the N tiles of an expert's odd last block: both layers need a multiple of "
+              "cluster_m N tiles");
 __device__ __forceinline__ uint32_t num_tiles(const Schedule& s) {
-    return s.num_units() * (kNumL1NTiles + kNumL2NTiles);
+    return s.num_blocks() * (kNumL1NTiles + kNumL2NTiles) / kClusterM;
 }
 
 // Tiles: all L1 tiles, then all L2 tiles; inside a layer, expert-major, then N tile, then
-// unit, so CTAs working at the same time share the expert's B tile in L2.
+// unit (kClusterM consecutive blocks sharing the N tile's B), so CTAs working at the same
+// time share the expert's B tile in L2.  With clusters, an expert's odd last block comes
+// after its units: kClusterM CTAs take kClusterM consecutive N tiles of it and share its A.
 __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint32_t cluster_rank) {
     Tile tile;
-    const uint32_t num_l1 = s.num_units() * kNumL1NTiles;
+    const uint32_t num_l1 = s.num_blocks() * kNumL1NTiles / kClusterM;
     tile.is_l2 = t >= num_l1;
     const uint32_t num_n = tile.is_l2 ? kNumL2NTiles : kNumL1NTiles;
     if (tile.is_l2)
         t -= num_l1;
-    tile.expert = Schedule::upper_expert(s.unit_start, t / num_n);
-    const uint32_t first = s.unit_start[tile.expert];
-    const uint32_t num_units = s.unit_start[tile.expert + 1] - first;
-    const uint32_t local = t - first * num_n;
-    tile.n = local / num_units;
-    const uint32_t block_in_expert = (local % num_units) * kClusterM + cluster_rank;
-    // Without clusters every unit is one existing block (known at compile time: the
-    // consumer's skip path for missing blocks compiles away).
-    tile.valid = kClusterM == 1 || block_in_expert < s.block_start[tile.expert + 1] - s.block_start[tile.expert];
-    tile.block = s.block_start[tile.expert] + block_in_expert;
-    tile.rows = tile.valid ? s.valid_rows(tile.expert, tile.block) : 0;
+    // Expert e's tiles are [block_start[e] * num_n / kClusterM, block_start[e + 1] * num_n / kClusterM)
+    tile.expert = Schedule::upper_expert(s.block_start, t * kClusterM / num_n);
+    const uint32_t first = s.block_start[tile.expert];
+    const uint32_t num_blocks = s.block_start[tile.expert + 1] - first;
+    const uint32_t num_units = num_blocks / kClusterM;
+    const uint32_t local = t - first * num_n / kClusterM;
+    uint32_t block_in_expert;
+    if (kClusterM == 1 || local < num_units * num_n) {
+        tile.share_a = false;
+        tile.n = local / num_units;
+        block_in_expert = (local % num_units) * kClusterM + cluster_rank;
+    } else {
+        tile.share_a = true;
+        tile.n = (local - num_units * num_n) * kClusterM + cluster_rank;
+        block_in_expert = num_blocks - 1;
+    }
+    tile.block = first + block_in_expert;
+    tile.rows = s.valid_rows(tile.expert, tile.block);
     return tile;
 }
 
@@ -92,7 +108,7 @@ constexpr uint32_t kNoMoreTiles = 0xffffffffu;
 // across the GPU form one contiguous window of the tile order and CTAs sharing an expert's B
 // tile stay close in time (L2 reuse).  With clusters only the leader (cluster rank 0) takes
 // tiles; it forwards each one to the other CTAs' `tile_slot` ring through distributed shared
-// memory as (sequence << 32 | tile), so every CTA of a cluster works on the same unit.
+// memory as (sequence << 32 | tile), so every CTA of a cluster works on the same tile.
 // NOTES: a ring of kTileSlots >= kNumStages + 1 slots cannot be overrun (one more for margin):
 // the leader takes tile i only after issuing tile i - 1's last stage (iteration L), whose empty
 // wait needs every CTA's consumers to have released iteration L - kNumStages; that iteration
@@ -139,9 +155,11 @@ struct TileSource {
 
 // TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams A,
 // A scales and B through the stage ring; every stage carries its decoded tile (pack_tile), and a stage
-// without data ends the loop.  With clusters, each CTA loads its own A block and one part
-// of B, multicast to every CTA of the cluster; the empty barriers count the consumers of
-// all of them, since a multicast overwrites the stage everywhere.
+// without data ends the loop.  With clusters, a unit's CTAs each load their own A block and
+// one part of the shared B, multicast to every CTA of the cluster; the CTAs of an odd last
+// block each load their own B while the leader multicasts the shared A and its scales.  The
+// empty barriers count the consumers of all of them, since a multicast overwrites the stage
+// everywhere.
 // NOTES: tiles are taken in increasing order and each CTA finishes them in the order it
 // took them; an L2 tile only waits for L1 tiles, which were all taken before it, so the
 // waits cannot form a cycle.
@@ -169,7 +187,7 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         }
         const Tile tile = decode_tile(s, t, cluster_rank);
         const uint4 packed = pack_tile(t, tile);
-        if (tile.valid) {
+        {
             // Wait until the tile's A rows landed
             const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
             const uint32_t target = tile.is_l2 ? kNumL1NTiles : tile.rows;
@@ -194,7 +212,11 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         const uint32_t num_n = tile.is_l2 ? kNumL2NTiles : kNumL1NTiles;
         const uint32_t b_first = (tile.expert * num_n + tile.n) * num_k;
         const uint32_t a_row = tile.block * kBlockM;
+        // Whether this CTA shares B (a part of it, multicast) or A (the leader's, multicast)
+        const bool share_b = kClusterM > 1 && !tile.share_a;
+        const bool share_a = kClusterM > 1 && tile.share_a;
         constexpr uint32_t kBPartRows = kBlockN / kClusterM;
+        constexpr uint16_t kClusterMask = static_cast<uint16_t>((1u << kClusterM) - 1);
         // B scales: L1 [E_local, 2I/128, H/128, {gate, up}], L2 [E_local, H/128, I/128]; this
         // tile's two 128-column halves are scale rows 2 n and 2 n + 1.
         const float* sfb_half0 =
@@ -211,35 +233,42 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             empty_wait(p, &ss.empty[stage], phase ^ 1);
             MEGAMOE_PROF(prof_empty += clock64() - prof_t2;)
             ss.stage_tile[stage] = packed;
-            if (tile.valid) {
-                if (tile.is_l2) {
-                    ptx::cp_async_ca<4>(&ss.sfb[stage][0], sfb_half0 + kb);
-                    ptx::cp_async_ca<4>(&ss.sfb[stage][2], sfb_half0 + sfb_half_stride + kb);
-                } else {
-                    ptx::cp_async_ca<8>(&ss.sfb[stage][0], sfb_half0 + 2 * kb);
-                    ptx::cp_async_ca<8>(&ss.sfb[stage][2], sfb_half0 + sfb_half_stride + 2 * kb);
-                }
-                ptx::cp_async_mbar_arrive(&ss.full[stage]);
+            if (tile.is_l2) {
+                ptx::cp_async_ca<4>(&ss.sfb[stage][0], sfb_half0 + kb);
+                ptx::cp_async_ca<4>(&ss.sfb[stage][2], sfb_half0 + sfb_half_stride + kb);
+            } else {
+                ptx::cp_async_ca<8>(&ss.sfb[stage][0], sfb_half0 + 2 * kb);
+                ptx::cp_async_ca<8>(&ss.sfb[stage][2], sfb_half0 + sfb_half_stride + 2 * kb);
             }
-            ptx::mbar_arrive_expect_tx(&ss.full[stage], tile.valid ? kStageTxBytes : kSmemBBytes);
-            if (tile.valid) {
+            ptx::cp_async_mbar_arrive(&ss.full[stage]);
+            // Every CTA's stage receives all of A, its scales and B, whoever loads them
+            ptx::mbar_arrive_expect_tx(&ss.full[stage], kStageTxBytes);
 #ifdef MEGAMOE_EXP_SAME_A  // diagnostic: A from two L2-hot blocks (wrong results)
-                ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], (kb % 2) * kBlockK, 0);
+            const int32_t a_k = static_cast<int32_t>((kb % 2) * kBlockK), a_m = 0;
 #else
-                ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], kb * kBlockK, a_row);
+            const int32_t a_k = static_cast<int32_t>(kb * kBlockK), a_m = static_cast<int32_t>(a_row);
 #endif
+            if (!share_a) {
+                ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], a_k, a_m);
                 ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
+            } else if (cluster_rank == 0) {
+                ptx::tma_load_2d_multicast(ss.a[stage], tmap_a, &ss.full[stage], a_k, a_m, kClusterMask);
+                ptx::tma_load_2d_multicast(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb, kClusterMask);
             }
 #ifdef MEGAMOE_EXP_SAME_B  // diagnostic: B from two L2-hot stages (wrong results)
-            const int32_t b_row = static_cast<int32_t>((kb % 2) * kBlockN + cluster_rank * kBPartRows);
+            const int32_t b_row = static_cast<int32_t>((kb % 2) * kBlockN);
 #else
-            const int32_t b_row = static_cast<int32_t>((b_first + kb) * kBlockN + cluster_rank * kBPartRows);
+            const int32_t b_row = static_cast<int32_t>((b_first + kb) * kBlockN);
 #endif
-            if constexpr (kClusterM == 1) {
-                ptx::tma_load_2d(ss.b[stage], tmap_b, &ss.full[stage], 0, b_row);
+            if (!share_b) {
+                // The B tensor map's box is one part (kBPartRows rows): all parts, locally
+                #pragma unroll
+                for (uint32_t r = 0; r < kClusterM; ++r)
+                    ptx::tma_load_2d(ss.b[stage] + r * kBPartRows * kBlockK, tmap_b, &ss.full[stage], 0,
+                                     b_row + static_cast<int32_t>(r * kBPartRows));
             } else {
                 ptx::tma_load_2d_multicast(ss.b[stage] + cluster_rank * kBPartRows * kBlockK, tmap_b, &ss.full[stage],
-                                           0, b_row, static_cast<uint16_t>((1u << kClusterM) - 1));
+                                           0, b_row + static_cast<int32_t>(cluster_rank * kBPartRows), kClusterMask);
             }
         }
     }
@@ -582,17 +611,6 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         packed.z = __shfl_sync(0xffffffffu, packed.z, 0);
         packed.w = __shfl_sync(0xffffffffu, packed.w, 0);
         const Tile tile = unpack_tile(packed);
-        if (!tile.valid) {
-            // Only this CTA's B part was needed (by the other CTAs of the cluster)
-            const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
-            for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-                if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
-                    return (it / kNumStages) & 1;
-                if (lane == 0)
-                    release_stage(ss, it % kNumStages);
-            }
-            continue;
-        }
         uint32_t status;
         if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with

@@ -86,12 +86,13 @@ def test_matches_reference(group, shape_name, num_tokens):
     [
         ("small", 700, 128, 3, 1),
         ("small", 700, 64, 2, 1),
-        ("small", 700, 128, 3, 2),  # experts with 2 and 3 blocks: full and half-empty clusters
+        ("small", 700, 128, 3, 2),  # experts with 2 and 3 blocks: pairs of blocks, odd last blocks share A
         ("small", 700, 64, 4, 2),
         ("deepseek-v3", 1000, 128, 3, 1),
-        ("deepseek-v3", 1000, 128, 3, 2),  # one block per expert: every second CTA only shares B
+        ("deepseek-v3", 1000, 128, 3, 2),  # one block per expert: every tile pair shares A
         ("deepseek-v3", 4096, 128, 3, 2),
         ("seed-default", 300, 128, 2, 1),
+        ("seed-default", 2000, 64, 4, 2),
     ],
 )
 def test_kernel_configs(group, shape_name, num_tokens, block_m, num_stages, cluster_m):
