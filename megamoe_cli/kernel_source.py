@@ -72,7 +72,7 @@ class KernelConfig:
     block_m: int = 64
     num_stages: int = 3
     num_sms: int = 0  # 0 = every SM of the device
-    cluster_m: int = 1  # CTAs sharing (multicasting) each B stage across consecutive M blocks
+    cluster_m: int = 1  # CTAs sharing each stage by multicast: B across consecutive M blocks (A for odd last blocks)
 
     def validate(self) -> None:
         if self.block_m not in SUPPORTED_BLOCK_M:

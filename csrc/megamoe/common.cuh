@@ -40,8 +40,9 @@ constexpr uint32_t kNumExpertsPerRank = kNumExperts / kNumRanks;
 // half the B traffic per FLOP).
 constexpr uint32_t kBlockM = MEGAMOE_BLOCK_M;
 constexpr uint32_t kNumHalvesPerWg = kBlockM / 64;
-// Cluster of kClusterM CTAs working on consecutive M blocks of one expert and the same N
-// tile: each CTA loads 256 / kClusterM rows of the B stage and multicasts them to all.
+// Cluster of kClusterM CTAs sharing each stage's B or A by TMA multicast: consecutive M blocks
+// of one expert and the same N tile (each CTA loads 256 / kClusterM rows of B and multicasts
+// them to all), or an expert's odd last block and consecutive N tiles (the leader multicasts A).
 constexpr uint32_t kClusterM = MEGAMOE_CLUSTER_M;
 static_assert(kClusterM == 1 || kClusterM == 2, "cluster_m must be 1 or 2");
 constexpr uint32_t kBlockN = 256;
@@ -202,19 +203,20 @@ __device__ __forceinline__ bool mbar_wait_or_timeout(const Params& p, uint64_t* 
     return true;
 }
 
-template <bool kAcquireCluster = false>
 __device__ __forceinline__ void mbar_wait(const Params& p, uint64_t* bar, uint32_t parity) {
-    if (ptx::mbar_try_wait<kAcquireCluster>(bar, parity))
+    if (ptx::mbar_try_wait(bar, parity))
         return;
     Deadline d(p.timeout_ns);
-    while (!ptx::mbar_try_wait<kAcquireCluster>(bar, parity))
+    while (!ptx::mbar_try_wait(bar, parity))
         d.check(p, kPhasePipeline, parity, parity ^ 1, 0);
 }
 
-// A stage's empty barrier: with clusters, the other CTAs' consumers release it (arrive with
-// release.cluster), so the wait acquires at cluster scope before the stage is overwritten.
+// A stage's empty barrier.  With clusters the other CTAs' consumers arrive on it too, with
+// CTA-scope release semantics (ptx::mbar_arrive_cluster), so a CTA-scope acquire matches
+// them; a cluster-scope acquire would pair with nothing and compiles to an L1 invalidate
+// (CCTL.IVALL) after every wait (notes entry 48).
 __device__ __forceinline__ void empty_wait(const Params& p, uint64_t* bar, uint32_t parity) {
-    mbar_wait<(kClusterM > 1)>(p, bar, parity);
+    mbar_wait(p, bar, parity);
 }
 
 }  // namespace megamoe

@@ -30,28 +30,15 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
-// kAcquireCluster: acquire at cluster scope, for barriers that other CTAs of the cluster arrive
-// on (the empty barriers of a multicast stage); default: CTA scope.
-template <bool kAcquireCluster = false>
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
     uint32_t ok;
-    if constexpr (kAcquireCluster) {
-        asm volatile(
-            "{\n.reg .pred p;\n"
-            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(ok)
-            : "r"(smem_addr(bar)), "r"(parity)
-            : "memory");
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(ok)
-            : "r"(smem_addr(bar)), "r"(parity)
-            : "memory");
-    }
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
     return ok != 0;
 }
 
@@ -131,9 +118,11 @@ __device__ __forceinline__ uint64_t ld_relaxed_cluster_shared_u64(const uint64_t
     return v;
 }
 // Arrive on a barrier of any CTA of the cluster, with the default semantics (release, CTA
-// scope).  A consumer releases a stage only after wgmma.wait_group has retired its reads,
-// so nothing is left to order; `.release.cluster` compiles to MEMBAR.ALL.GPU before every
-// arrive, twice per warp per K block in the main loop (notes entry 46).
+// scope), as CUTLASS's cluster pipelines release a multicast stage.  A consumer releases a
+// stage only after wgmma.wait_group has retired the WGMMAs reading it, and after the
+// promotion FMULs have consumed the stage's scales (its only ld.shared reads of data another
+// CTA may overwrite: the A scales an odd block's leader multicasts); `.release.cluster`
+// compiles to MEMBAR.ALL.GPU before every arrive, twice per warp per K block (notes entry 46).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_smem_addr) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_smem_addr) : "memory");
 }
