@@ -641,8 +641,6 @@ def test_peers_this_process_cannot_see_are_not_checked():
     ],
 )
 def test_cluster_variant_refuses_an_odd_number_of_n_tiles(shape, layer, count):
-    from megamoe_cli.kernel_source import Variant
-
     Variant(shape, 2, 4096, 128, 4, 1).validate()  # without clusters the shape is fine
     with pytest.raises(MegaMoEError) as caught:
         Variant(shape, 2, 4096, 128, 4, 2).validate()

@@ -119,10 +119,13 @@ __device__ __forceinline__ uint64_t ld_relaxed_cluster_shared_u64(const uint64_t
 }
 // Arrive on a barrier of any CTA of the cluster, with the default semantics (release, CTA
 // scope), as CUTLASS's cluster pipelines release a multicast stage.  A consumer releases a
-// stage only after wgmma.wait_group has retired the WGMMAs reading it, and after the
-// promotion FMULs have consumed the stage's scales (its only ld.shared reads of data another
-// CTA may overwrite: the A scales an odd block's leader multicasts); `.release.cluster`
-// compiles to MEMBAR.ALL.GPU before every arrive, twice per warp per K block (notes entry 46).
+// stage only after wgmma.wait_group has retired the WGMMAs reading it.  Its other reads of
+// data another CTA may overwrite, the ld.shared of the A scales an odd block's leader
+// multicasts, are issued before the arrive; the source does not force their values to be
+// consumed before it (in the compiled block_m 64 cluster variant the FMULs using them come
+// first; a multicast can only land after the arrive has reached the leader and its producer
+// has issued the copy).  `.release.cluster` compiles
+// to MEMBAR.ALL.GPU before every arrive, twice per warp per K block (notes entry 46).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_smem_addr) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_smem_addr) : "memory");
 }
