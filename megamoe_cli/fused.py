@@ -61,7 +61,8 @@ _TORCH_DTYPES = {
 _PHASES = {
     2: "count exchange (index 0: ranks announced; index 1: CTAs of every rank arrived)",
     3: "L1 arrival (rows pulled into the pool)",
-    4: "L2 arrival (L1 tiles of a block)",
+    4: "L2 arrival (the L1 tile that writes an L2 K block's columns; index: pool block, expected: that "
+       "K block, observed: the block's ready bits of its word)",
     5: "combine barrier (grid)",
     6: "combine barrier (ranks)",
     7: "TMA/WGMMA pipeline",
@@ -293,6 +294,13 @@ PROFILE_SLOTS = (
 )
 
 
+# Kinds of the profiling build's timeline events (csrc/megamoe/common.cuh, TraceKind)
+TRACE_KINDS = {
+    1: "cta_start", 2: "take", 3: "first_issue", 4: "last_issue", 5: "tile_start", 6: "tile_end",
+    7: "tiles_done", 8: "barrier_done", 9: "cta_end", 10: "schedule_done",
+}
+
+
 def profiling_enabled() -> bool:
     """``MEGAMOE_PROFILE=1`` builds kernels with cycle counters (diagnostics only: slower, may spill)."""
     return os.environ.get(PROFILE_ENV, "") == "1"
@@ -307,7 +315,8 @@ class _Kernel:
 
         self.profile = profiling_enabled()
         (built,) = build([kernel_build_source(variant, self.profile)])
-        if built.report.has_spills and not self.profile:
+        # Profiling and diagnostic (MEGAMOE_EXPERIMENT) builds are for timing studies and may spill
+        if built.report.has_spills and not self.profile and not experiment_defines():
             raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
@@ -320,6 +329,28 @@ class _Kernel:
     def reset_profile(self) -> None:
         self._require_profile()
         self.module.zero_global("megamoe_profile")
+        self.module.zero_global("megamoe_trace_count")
+
+    def read_trace(self) -> List[Dict[str, int]]:
+        """Timeline events since the last reset (synchronize first), in the order they were taken:
+        time_ns (globaltimer), clock (the SM's clock64), cta, kind (TRACE_KINDS), epoch (the call),
+        and for tile events layer (1 or 2), expert (local) and n (N tile)."""
+        self._require_profile()
+        (count,) = struct.unpack("<I", self.module.read_global("megamoe_trace_count")[:4])
+        raw = self.module.read_global("megamoe_trace")
+        capacity = len(raw) // 32
+        events = []
+        for i in range(min(count, capacity)):
+            t, clock, cta_kind, epoch_info = struct.unpack_from("<4Q", raw, 32 * i)
+            info = epoch_info & 0xFFFFFFFF
+            events.append({"time_ns": t, "clock": clock, "cta": cta_kind >> 32,
+                           "kind": TRACE_KINDS.get(cta_kind & 0xFFFFFFFF, str(cta_kind & 0xFFFFFFFF)),
+                           "epoch": epoch_info >> 32, "layer": 2 if info >> 31 else 1,
+                           "expert": (info >> 16) & 0x7FFF, "n": info & 0xFFFF})
+        if count > capacity:
+            events.append({"time_ns": 0, "clock": 0, "cta": -1, "kind": f"dropped {count - capacity}", "epoch": 0,
+                           "layer": 0, "expert": 0, "n": 0})
+        return events
 
     def read_profile(self) -> Dict[str, int]:
         """Counters summed over every launch since the last reset (synchronize first)."""

@@ -40,6 +40,11 @@ def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def l2_ready_words(intermediate: int) -> int:
+    """Words of L1-tile ready bits per pool block: one bit per 256-column L1 N tile (2I / 256)."""
+    return ceil_div(2 * intermediate // 256, 32)
+
+
 @dataclass(frozen=True)
 class MoEShape:
     """The model side of a MoE layer: what every rank agrees on."""
@@ -210,8 +215,8 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "zeroed by the kernel's cleanup phase",
     ),
     "l2_arrival": (
-        "local L1 epilogue (red.release.gpu per finished L1 tile)",
-        "local L2 producer (ld.acquire.gpu)",
+        "local L1 epilogue (red.release.gpu.or: bit n of a block's words once its L1 N tile n is written)",
+        "local L2 producer (ld.acquire.gpu before each K block: K block n reads L1 N tile n's columns)",
         "zeroed by the kernel's cleanup phase",
     ),
     "src_token_topk_idx": (
@@ -262,7 +267,7 @@ def build_layout(config: BufferConfig) -> BufferLayout:
         ("rank_flags", "u64", (R,)),
         ("expert_recv_count", "u32", (2, R, E_local)),
         ("l1_arrival", "u32", (B,)),
-        ("l2_arrival", "u32", (B,)),
+        ("l2_arrival", "u32", (B, l2_ready_words(I))),
         ("src_token_topk_idx", "i32", (E_local, R, T)),
         ("pool_src_meta", "i32", (P, 4)),
         ("x", "fp8_e4m3", (T, H)),

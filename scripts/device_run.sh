@@ -5,7 +5,8 @@
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 # mainloop [args]: the main-loop microbenchmark (microsweep: under each operand source); ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
-# AB_SKIP_TESTS, AB_NPROC=N: an expert-parallel layer over N GPUs, AB_ARGS: more profile_fused.py options); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B|PULL1 (timing only)
+# AB_SKIP_TESTS, AB_NPROC=N: an expert-parallel layer over N GPUs, AB_ARGS: more profile_fused.py options,
+# AB_VARIANT_ENV="VAR=value ...": a third timing of this tree under that environment); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B|PULL1 (timing only)
 # knob: KNOB=<environment variable> KNOB_VALUES="<v1> <v2> ..." timed alternately in this one tree, each value
 # checked by the quick fused tier first (e.g. KNOB=MEGAMOE_PROMOTION_HINTS KNOB_VALUES="off yield hold")
 set -uo pipefail
@@ -68,6 +69,8 @@ case "$MODE" in
     for r in 1 2; do
       run timing_base$r 300 env PYTHONPATH="$BASE" MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-base "${PY[@]}" "$BASE/scripts/profile_fused.py" --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
       run timing_new$r 300 "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+      # AB_VARIANT_ENV="VAR=value ...": a third timing, of this tree under that environment
+      [ -n "${AB_VARIANT_ENV:-}" ] && run timing_variant$r 300 env $AB_VARIANT_ENV MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-variant "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
     done
     ;;
   knob)  # A/B of an environment knob in this tree: KNOB=<variable> KNOB_VALUES="<v1> <v2> ..." timed

@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cycle counters (a separate, slower build)")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="with --profile: write the last profiled call's timeline (trace_<tokens>_<config>_r<rank>.csv) "
+                         "and print its summary (scripts/trace_timeline.py)")
     ap.add_argument("--profile-calls", type=int, default=1,
                     help="with --profile: calls back to back whose counters are averaged (1: one call after a barrier, "
                          "which includes the ranks' launch skew; 20: the steady state of a decode loop)")
@@ -47,6 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.profile_calls < 1:
         ap.error(f"--profile-calls must be at least 1, got {args.profile_calls}")
+    if args.trace and not args.profile:
+        ap.error("--trace needs --profile (the timeline comes from the profiling build)")
     if args.profile_calls != 1 and not args.profile:
         ap.error("--profile-calls needs --profile (it sets how many calls the cycle counters average)")
     if args.profile:
@@ -142,13 +147,21 @@ def main() -> None:
             if args.profile:
                 if world > 1:
                     dist.barrier()
-                counters = profile_call(runner, args.profile_calls)  # every rank takes part in the profiled calls
+                counters, trace = profile_call(runner, args.profile_calls)  # every rank takes part
                 for r in range(world):
                     if world > 1:
                         dist.barrier()
                     if r == rank:
                         print_profile(counters, config, rank if world > 1 else None,
                                       kb_l1=shape.hidden // 128, kb_l2=shape.intermediate // 128)
+                        if args.trace:
+                            import trace_timeline
+                            os.makedirs(args.trace, exist_ok=True)
+                            name = "_".join(f"{k}{v}" for k, v in sorted(config.items()))
+                            path = os.path.join(args.trace, f"trace_{tokens}_{name}_r{rank}.csv")
+                            trace_timeline.write_csv(path, trace)
+                            say(f"    timeline{'' if world == 1 else f' rank {rank}'} ({path}):")
+                            say("      " + trace_timeline.summarize(trace).replace("\n", "\n      "))
             del runner
             torch.cuda.empty_cache()
 
@@ -203,7 +216,7 @@ def profile_call(runner, calls: int = 1) -> dict:
     for _ in range(calls):
         mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
     synchronize(runner.buf)
-    return kernel.read_profile()
+    return kernel.read_profile(), kernel.read_trace()
 
 
 def print_profile(c: dict, config, rank=None, kb_l1: int = 0, kb_l2: int = 0) -> None:

@@ -12,15 +12,30 @@
 
 // Cycle counters for profiling builds (MEGAMOE_PROFILE): summed over CTAs, read by the host
 // through the module global; slots: ProfileSlot below (names: PROFILE_SLOTS in megamoe_cli/fused.py).
+// The same builds keep a timeline: megamoe_trace holds up to kTraceEvents events of
+// {globaltimer ns, clock64, cta << 32 | kind, call epoch << 32 | info}, taken in order from
+// megamoe_trace_count (kinds: TraceKind below; names: TRACE_KINDS in megamoe_cli/fused.py).
 #ifdef MEGAMOE_PROFILE
+constexpr uint32_t kTraceEvents = 65536;
 extern "C" {
 __device__ unsigned long long megamoe_profile[32];
+__device__ unsigned int megamoe_trace_count;
+__device__ ulonglong4 megamoe_trace[kTraceEvents];
 }
 #define MEGAMOE_PROF(...) __VA_ARGS__
 #define MEGAMOE_PROF_ADD(slot, value) atomicAdd(&megamoe_profile[slot], static_cast<unsigned long long>(value))
+#define MEGAMOE_TRACE(kind, epoch, info) megamoe_trace_event(kind, epoch, info)
+__device__ __forceinline__ void megamoe_trace_event(uint32_t kind, uint64_t epoch, uint32_t info) {
+    const uint32_t i = atomicAdd(&megamoe_trace_count, 1u);
+    if (i < kTraceEvents)
+        megamoe_trace[i] = make_ulonglong4(megamoe::ptx::globaltimer_ns(), clock64(),
+                                           (static_cast<unsigned long long>(blockIdx.x) << 32) | kind,
+                                           (epoch << 32) | info);
+}
 #else
 #define MEGAMOE_PROF(...)
 #define MEGAMOE_PROF_ADD(slot, value) ((void)0)
+#define MEGAMOE_TRACE(kind, epoch, info) ((void)0)
 #endif
 
 namespace megamoe {
@@ -60,6 +75,11 @@ constexpr uint32_t kNumL1NTiles = 2 * kIntermediate / kBlockN;
 constexpr uint32_t kNumL2NTiles = kHidden / kBlockN;
 constexpr uint32_t kNumL1KBlocks = kHidden / kBlockK;
 constexpr uint32_t kNumL2KBlocks = kIntermediate / kBlockK;
+// L2 K block j reads the 128 intermediate columns that L1 N tile j writes, so an L2 tile waits
+// for its block's L1 tiles one K block at a time: each block has kL2ReadyWords words of ready
+// bits in the buffer's l2_arrival segment (bit j % 32 of word j / 32: L1 N tile j is written).
+static_assert(kNumL2KBlocks == kNumL1NTiles, "L2 K block j is L1 N tile j's output");
+constexpr uint32_t kL2ReadyWords = (kNumL1NTiles + 31) / 32;
 
 static_assert(kBlockM == 64 || kBlockM == 128, "block_m must be 64 or 128");
 static_assert(kHidden % kBlockN == 0, "hidden must be a multiple of 256");
@@ -106,6 +126,20 @@ enum ProfileSlot : uint32_t {
     kProfDispatchStart = 22,     // dispatch: CTA start (thread 0's first instruction) -> roles split
     kProfDispatchCount = 23,     // dispatch: count phase (its atomics and stores issued)
     kProfDispatchExchange = 24,  // dispatch: count exchange (fence, adds, wait for every CTA)
+};
+
+// Timeline events of the profiling build (info: a tile as trace_tile packs it, or 0)
+enum TraceKind : uint32_t {
+    kTraceCtaStart = 1,      // thread 0's first instruction
+    kTraceTake = 2,          // producer: took a tile
+    kTraceFirstIssue = 3,    // producer: the tile's first stage issued (its first A rows were ready)
+    kTraceLastIssue = 4,     // producer: the tile's last stage issued
+    kTraceTileStart = 5,     // consumer warpgroup 0: the tile's first stage full
+    kTraceTileEnd = 6,       // consumer warpgroup 0: the tile's epilogue done
+    kTraceTilesDone = 7,     // consumers: no tile left, entering the combine barrier
+    kTraceBarrierDone = 8,   // consumers: past the combine barrier
+    kTraceCtaEnd = 9,        // consumers: reduce done
+    kTraceScheduleDone = 10, // dispatch: schedule built
 };
 
 // Phases named in timeout diagnostics

@@ -104,6 +104,11 @@ __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint3
 
 constexpr uint32_t kNoMoreTiles = 0xffffffffu;
 
+// A tile in the profiling build's timeline: layer (bit 31), expert (bits 16-30), N tile.
+__device__ __forceinline__ uint32_t trace_tile(const Tile& tile) {
+    return (tile.is_l2 ? 1u << 31 : 0u) | ((tile.expert & 0x7fffu) << 16) | (tile.n & 0xffffu);
+}
+
 // Where the producer takes its next tile: an atomic counter per rank, so the tiles in flight
 // across the GPU form one contiguous window of the tile order and CTAs sharing an expert's B
 // tile stay close in time (L2 reuse).  With clusters only the leader (cluster rank 0) takes
@@ -153,6 +158,31 @@ struct TileSource {
     }
 };
 
+// An L2 tile's wait for the L1 tile that writes the A columns of its next K block: L2 K block n
+// reads the 128 intermediate columns of L1 N tile n, which the L1 epilogue announces as bit n
+// of the block's ready words.  So an L2 tile streams the K blocks whose L1 tiles are done while
+// its block's other L1 tiles still run, instead of waiting for all of them.  K blocks go in
+// order, so the accumulation order, and with it the result, does not depend on timing (taking
+// any ready K block first measured no faster: notes entry 50).
+struct L2Ready {
+    uint32_t bits = 0;  // the current word's bits acquired so far (K blocks 32 (kb / 32) ...)
+    __device__ __forceinline__ void wait(const Params& p, const uint32_t* ready_words, uint32_t block, uint32_t kb) {
+        if (kb % 32 == 0)
+            bits = 0;
+        const uint32_t want = 1u << (kb % 32);
+        if ((bits & want) == 0) {
+            const uint32_t* word = ready_words + block * kL2ReadyWords + kb / 32;
+            bits = ptx::ld_acquire_gpu_u32(word);
+            if ((bits & want) == 0) {
+                Deadline d(p.timeout_ns);
+                while (((bits = ptx::ld_acquire_gpu_u32(word)) & want) == 0)
+                    d.check(p, kPhaseL2Arrival, kb, bits, block);
+            }
+            ptx::fence_proxy_async_global();  // TMA reads the columns after this acquire
+        }
+    }
+};
+
 // TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams A,
 // A scales and B through the stage ring; every stage carries its decoded tile (pack_tile), and a stage
 // without data ends the loop.  With clusters, a unit's CTAs each load their own A block and
@@ -187,22 +217,21 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         }
         const Tile tile = decode_tile(s, t, cluster_rank);
         const uint4 packed = pack_tile(t, tile);
-        {
-            // Wait until the tile's A rows landed
-            const uint32_t* counter = (tile.is_l2 ? l2_arrival : l1_arrival) + tile.block;
-            const uint32_t target = tile.is_l2 ? kNumL1NTiles : tile.rows;
+        MEGAMOE_TRACE(kTraceTake, s.epoch, trace_tile(tile));
+        if (!tile.is_l2) {
+            // Wait until the tile's A rows landed (an L2 tile waits per K block: L2Ready)
+            const uint32_t* counter = l1_arrival + tile.block;
             MEGAMOE_PROF(const uint64_t prof_t0 = clock64();)
             uint32_t now = ptx::ld_acquire_gpu_u32(counter);
-            MEGAMOE_PROF(prof_arrival += clock64() - prof_t0;)
-            if (now < target) {
-                MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
+            if (now < tile.rows) {
                 Deadline d(p.timeout_ns);
-                while ((now = ptx::ld_acquire_gpu_u32(counter)) < target)
-                    d.check(p, tile.is_l2 ? kPhaseL2Arrival : kPhaseL1Arrival, target, now, tile.block);
-                MEGAMOE_PROF(prof_arrival += clock64() - prof_t1;)
+                while ((now = ptx::ld_acquire_gpu_u32(counter)) < tile.rows)
+                    d.check(p, kPhaseL1Arrival, tile.rows, now, tile.block);
             }
+            MEGAMOE_PROF(prof_arrival += clock64() - prof_t0;)
             ptx::fence_proxy_async_global();
         }
+        L2Ready ready;
 
         const CUtensorMap* tmap_a = tile.is_l2 ? &p.tmap_l2_a : &p.tmap_l1_a;
         const CUtensorMap* tmap_sfa = tile.is_l2 ? &p.tmap_l2_sfa : &p.tmap_l1_sfa;
@@ -227,6 +256,11 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
                                  kNumL1KBlocks * 2;
         const uint32_t sfb_half_stride = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks * 2;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+            if (tile.is_l2) {
+                MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
+                ready.wait(p, l2_arrival, tile.block, kb);
+                MEGAMOE_PROF(prof_arrival += clock64() - prof_t1;)
+            }
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
             MEGAMOE_PROF(const uint64_t prof_t2 = clock64();)
@@ -270,6 +304,8 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
                 ptx::tma_load_2d_multicast(ss.b[stage] + cluster_rank * kBPartRows * kBlockK, tmap_b, &ss.full[stage],
                                            0, b_row + static_cast<int32_t>(cluster_rank * kBPartRows), kClusterMask);
             }
+            MEGAMOE_PROF(if (kb == 0) MEGAMOE_TRACE(kTraceFirstIssue, s.epoch, trace_tile(tile));
+                         if (kb == num_k - 1) MEGAMOE_TRACE(kTraceLastIssue, s.epoch, trace_tile(tile));)
         }
     }
 }
@@ -421,14 +457,15 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
         pool_sf[r0] = sf[0];
         pool_sf[r0 + 8] = sf[1];
     }
-    // NOTES: the L2 producer reads these rows with TMA (async proxy) after acquiring
-    // the block's counter, so every writer fences the proxies before the release.
+    // NOTES: the L2 producer reads these columns with TMA (async proxy) after acquiring the
+    // block's ready bit of this N tile, so every writer fences the proxies before the release.
     MEGAMOE_PROF(if (tid % 128 == 0) ss.prof[slice.wg][7] = clock64();)
     ptx::fence_proxy_async_global();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     if (tid % kNumConsumerThreads == 0) {
         __threadfence();
-        ptx::red_release_gpu_add_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block, 1);
+        ptx::red_release_gpu_or_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block * kL2ReadyWords + tile.n / 32,
+                                    1u << (tile.n % 32));
     }
 }
 
@@ -605,12 +642,15 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         // Shuffled so the compiler sees a warp-uniform tile.
         uint4 packed = ptx::ld_shared_v4_u32(&ss.stage_tile[it % kNumStages]);
         packed.x = __shfl_sync(0xffffffffu, packed.x, 0);
-        if (packed.x == kNoMoreTiles)
+        if (packed.x == kNoMoreTiles) {
+            MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTilesDone, ss.schedule.epoch, 0);)
             break;
+        }
         packed.y = __shfl_sync(0xffffffffu, packed.y, 0);
         packed.z = __shfl_sync(0xffffffffu, packed.z, 0);
         packed.w = __shfl_sync(0xffffffffu, packed.w, 0);
         const Tile tile = unpack_tile(packed);
+        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile));)
         uint32_t status;
         if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
@@ -623,6 +663,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         }
         if (status != kConsumerOk)
             return status;
+        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileEnd, ss.schedule.epoch, trace_tile(tile));)
     }
     MEGAMOE_PROF(if (prof) {
         for (uint32_t i = 0; i < 7; ++i)

@@ -90,6 +90,7 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
 
     build_schedule(p, s, dispatch_thread);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+    MEGAMOE_PROF(if (dispatch_thread == 0) MEGAMOE_TRACE(kTraceScheduleDone, s.epoch, 0);)
     ptx::named_bar_arrive(kBarSchedule, kNumThreads);
 
     MEGAMOE_PROF(if (dispatch_thread == 0) ss.prof[2][5] = clock64();)
@@ -121,7 +122,8 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
         rank_wait(p, ss.schedule.epoch * 4 + 2, kPhaseCombineRankBarrier);
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-    MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); })
+    MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); }
+                 if (ct == 0) MEGAMOE_TRACE(kTraceBarrierDone, ss.schedule.epoch, 0);)
 
     // Cleanup: every counter this call used returns to zero for the next call.
     const uint32_t gt = blockIdx.x * kNumConsumerThreads + ct;
@@ -129,10 +131,10 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
     uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
     uint32_t* recv_count = recv_counts(p, ss.schedule.epoch);
-    for (uint32_t i = gt; i < ss.schedule.num_blocks(); i += stride) {
+    for (uint32_t i = gt; i < ss.schedule.num_blocks(); i += stride)
         l1_arrival[i] = 0;
+    for (uint32_t i = gt; i < ss.schedule.num_blocks() * kL2ReadyWords; i += stride)
         l2_arrival[i] = 0;
-    }
     // This call's parity: every local CTA has built its schedule from it (before the combine
     // barrier), and no peer adds to it again before the call after next (count_exchange).
     for (uint32_t i = gt; i < kNumRanks * kNumExpertsPerRank; i += stride)
@@ -146,7 +148,8 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     MEGAMOE_PROF(if (prof) {
         MEGAMOE_PROF_ADD(kProfReduce, clock64() - ss.prof[wg][8]);
         MEGAMOE_PROF_ADD(kProfConsumerTotal, clock64() - ss.prof[2][3]);
-    })
+    }
+                 if (ct == 0) MEGAMOE_TRACE(kTraceCtaEnd, ss.schedule.epoch, 0);)
 
     if (blockIdx.x == 0 && ct == 0)
         grid_sync[4] = ss.schedule.epoch + 1;
@@ -174,6 +177,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         // Every CTA's copy: its rank waits need it.  Block 0 advances it only at the very end,
         // after the combine grid barrier that every CTA reaches after reading it here.
         ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[4];
+        MEGAMOE_TRACE(kTraceCtaStart, ss.schedule.epoch, 0);
         ptx::tma_prefetch_desc(&p.tmap_l1_a);
         ptx::tma_prefetch_desc(&p.tmap_l1_b);
         ptx::tma_prefetch_desc(&p.tmap_l2_a);

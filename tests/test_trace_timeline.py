@@ -1,0 +1,69 @@
+"""scripts/trace_timeline.py: the profiling build's timeline, put on one axis and summarized."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trace_timeline.py"
+spec = importlib.util.spec_from_file_location("trace_timeline", SCRIPT)
+tl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tl)
+
+
+def ev(cta, kind, us, clock_offset=0, epoch=7, layer=1, expert=0, n=0, clock_ghz=2.0, timer_step_ns=1):
+    """An event at `us` microseconds: clock64 runs at clock_ghz from the CTA's own offset, and the
+    globaltimer is read with a tick of timer_step_ns."""
+    ns = 1000.0 + us * 1e3
+    return {"time_ns": int(ns // timer_step_ns * timer_step_ns), "clock": int(ns * clock_ghz) + clock_offset,
+            "cta": cta, "kind": kind, "epoch": epoch, "layer": layer, "expert": expert, "n": n}
+
+
+def two_ctas(timer_step_ns=1):
+    """CTA 0 runs expert 0's only L1 tile from 2 to 50 us; CTA 1 takes the expert's L2 tile at 3 us,
+    waits for it until 51 us and runs it from 52 to 60 us.  The CTAs' clocks disagree by 10^6."""
+    out = []
+    for cta, off in ((0, 0), (1, 10**6)):
+        def add(kind, us, **kw):
+            out.append(ev(cta, kind, us, off, timer_step_ns=timer_step_ns, **kw))
+        add("cta_start", 0.0)
+        add("schedule_done", 1.0)
+        if cta == 0:
+            add("take", 1.5)
+            add("first_issue", 1.6)
+            add("tile_start", 2.0)
+            add("tile_end", 50.0)
+            add("tiles_done", 50.5)
+        else:
+            add("take", 3.0, layer=2)
+            add("first_issue", 51.0, layer=2)
+            add("tile_start", 52.0, layer=2)
+            add("tile_end", 60.0, layer=2)
+            add("tiles_done", 60.5)
+        add("barrier_done", 61.0)
+        add("cta_end", 62.0)
+    # An older call's events are ignored
+    out.append(ev(0, "cta_start", -500.0, epoch=6))
+    return out
+
+
+def test_one_axis_despite_per_cta_clocks_and_a_coarse_timer():
+    for step in (1, 1000):
+        evs = tl.to_us(tl.last_call(two_ctas(step)))
+        got = {(e["cta"], e["kind"]): e["us"] for e in evs}
+        assert abs(got[(1, "first_issue")] - 51.0) < 0.6
+        assert abs(got[(0, "tile_end")] - 50.0) < 0.6
+        assert all(e["epoch"] == 7 for e in evs)
+
+
+def test_summary_shows_the_wait_and_the_occupancy():
+    text = tl.summarize(two_ctas(), bin_us=10.0)
+    lines = text.splitlines()
+    l2_wait = next(line for line in lines if "L2 take -> first stage issued" in line).split()
+    assert abs(float(l2_wait[-2]) - 48.0) < 0.1  # max of the L2 dependency waits
+    l1_run = next(line for line in lines if "L1 consumer start -> end" in line).split()
+    assert abs(float(l1_run[-1]) - 48.0) < 0.1
+    bins = [line.split() for line in lines[lines.index(next(x for x in lines if x.startswith("time bin"))) + 1:]]
+    # 10-20 us: one CTA in an L1 tile, none in L2, one producer waiting
+    assert bins[1] == ["10", "1.0", "0.0", "1.0"]
+    # 50-60 us: L1 ends at 50, the L2 tile runs 52-60 (0.8 of the bin), the wait ends at 51
+    assert bins[5][2] == "0.8" and bins[5][3] == "0.1"
+    assert "expert    0:     2.0 /    50.0 /    0.0 over 1 tiles" in text
