@@ -4,8 +4,10 @@
 
 namespace megamoe {
 
-// Warp per token; each lane owns 8 consecutive channels per chunk and sums kUnroll chunks
-// at once.  Every valid slot's loads of an iteration are issued before any is summed, so
+// Warp per token, or per part of a token's row when there are fewer tokens than warps (a
+// warp's steps are dependent round trips: at 1 token the whole row in one warp took ~15 us
+// after every other CTA had finished; notes entry 50).  Each lane owns 8 consecutive channels
+// per chunk and sums kUnroll chunks at once.  Every valid slot's loads of an iteration are issued before any is summed, so
 // kUnroll * top-k 16-byte loads are in flight per lane (the reduce streams the whole
 // combine buffer once and only the consumer warps run it; with the sums between the slots'
 // loads only kUnroll were in flight: notes entry 36).  An invalid slot loads nothing and
@@ -16,18 +18,24 @@ __device__ __forceinline__ void combine_reduce(const Params& p, uint32_t global_
     __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(p.y);
     constexpr uint32_t kChunks = kHidden / 8;
     constexpr uint32_t kUnroll = kNumTopk <= 8 ? 4 : (kNumTopk <= 16 ? 2 : 1);
-    for (uint32_t t = global_warp; t < p.num_tokens; t += num_warps) {
+    constexpr uint32_t kSteps = (kChunks + 32 * kUnroll - 1) / (32 * kUnroll);  // per token row
+    const uint32_t num_tokens = static_cast<uint32_t>(p.num_tokens);
+    // Parts per token: contiguous ranges of its steps, one warp each (1 once tokens >= warps)
+    const uint32_t parts = max(1u, min(kSteps, num_warps / max(1u, num_tokens)));
+    for (uint32_t unit = global_warp; unit < num_tokens * parts; unit += num_warps) {
+        const uint32_t t = unit / parts, part = unit % parts;
         const bool valid = lane < kNumTopk && topk_idx[static_cast<uint64_t>(t) * kNumTopk + lane] >= 0;
         const uint32_t mask = __ballot_sync(0xffffffffu, valid);
         const __nv_bfloat16* src = combine + static_cast<uint64_t>(t) * kHidden;
-        for (uint32_t c0 = lane; c0 < kChunks; c0 += 32 * kUnroll) {
+        const uint32_t c_end = min(kChunks, (part + 1) * kSteps / parts * 32 * kUnroll);
+        for (uint32_t c0 = part * kSteps / parts * 32 * kUnroll + lane; c0 < c_end; c0 += 32 * kUnroll) {
             int4 raw[kNumTopk][kUnroll];
             #pragma unroll
             for (uint32_t k = 0; k < kNumTopk; ++k) {
                 #pragma unroll
                 for (uint32_t u = 0; u < kUnroll; ++u) {
                     const uint32_t c = c0 + 32 * u;
-                    raw[k][u] = ((mask >> k) & 1) && c < kChunks
+                    raw[k][u] = ((mask >> k) & 1) && c < c_end
                                     ? __ldcg(reinterpret_cast<const int4*>(
                                           src + static_cast<uint64_t>(k) * kNumMaxTokens * kHidden + c * 8))
                                     : make_int4(0, 0, 0, 0);
@@ -55,7 +63,7 @@ __device__ __forceinline__ void combine_reduce(const Params& p, uint32_t global_
             #pragma unroll
             for (uint32_t u = 0; u < kUnroll; ++u) {
                 const uint32_t c = c0 + 32 * u;
-                if (c >= kChunks)
+                if (c >= c_end)
                     continue;
                 int4 out;
                 __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
