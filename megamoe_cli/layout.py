@@ -196,8 +196,8 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "local CTAs (acquire spin)",
         "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
         "adds; zeroed by the owner's cleanup phase), [2,3] epilogue grid barrier (arrivals return "
-        "to 0, generation grows), [4] call epoch (grows), [5] tile counter and [6] L1 tiles finished "
-        "(block_m 64 variants; both zeroed by the kernel's cleanup phase)",
+        "to 0, generation grows), [4] call epoch (grows), [5] tile counter (zeroed by the kernel's "
+        "cleanup phase)",
     ),
     "rank_flags": (
         "peer r stores slot r (st.release.sys, monotonic epoch)",

@@ -158,19 +158,6 @@ struct TileSource {
     }
 };
 
-// Decode variants (block_m 64, no clusters): while any L1 tile is still running, an L2 tile keeps
-// at most kThrottledStages stages in flight instead of the whole ring.  HBM serves the CTAs
-// about in proportion to the bytes each has in flight, so the L1 tiles still running (whose
-// experts' L2 tiles can only come last) stream faster than the L2 tiles beside them: at 1 token
-// with more L1 tiles than CTAs, the last wave of L1 tiles streamed at an equal share and held its
-// experts' L2 tiles to the end of the call (notes entries 50-51).  The L1 epilogues count the
-// finished L1 tiles in grid_sync[6] (as a 32-bit word; zeroed by the cleanup phase).
-constexpr uint32_t kThrottledStages = 2;
-constexpr bool kThrottleL2 = kBlockM == 64 && kClusterM == 1 && kNumStages > kThrottledStages;
-__device__ __forceinline__ uint32_t* l1_tiles_done(const Params& p) {
-    return reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 6);
-}
-
 // An L2 tile's wait for the L1 tile that writes the A columns of its next K block: L2 K block n
 // reads the 128 intermediate columns of L1 N tile n, which the L1 epilogue announces as bit n
 // of the block's ready words.  So an L2 tile streams the K blocks whose L1 tiles are done while
@@ -214,7 +201,6 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
                       0};
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
-    bool l1_all_done = !kThrottleL2;  // seen every L1 tile finished (kThrottleL2)
     MEGAMOE_PROF(uint64_t& prof_arrival = ss.prof[2][0]; uint64_t& prof_empty = ss.prof[2][1]; prof_arrival = prof_empty = 0;
                  ss.prof[2][2] = clock64();)
     while (true) {
@@ -246,9 +232,6 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             ptx::fence_proxy_async_global();
         }
         L2Ready ready;
-        if (tile.is_l2 && !l1_all_done)
-            l1_all_done = ptx::ld_relaxed_gpu_u32(l1_tiles_done(p)) >= s.num_blocks() * kNumL1NTiles;
-        const bool throttle = tile.is_l2 && !l1_all_done;
 
         const CUtensorMap* tmap_a = tile.is_l2 ? &p.tmap_l2_a : &p.tmap_l1_a;
         const CUtensorMap* tmap_sfa = tile.is_l2 ? &p.tmap_l2_sfa : &p.tmap_l1_sfa;
@@ -281,11 +264,6 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             const uint32_t stage = it % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
             MEGAMOE_PROF(const uint64_t prof_t2 = clock64();)
-            if (throttle && it >= kThrottledStages) {
-                // The release of iteration it - kThrottledStages (that stage's next phase)
-                const uint32_t older = it - kThrottledStages;
-                empty_wait(p, &ss.empty[older % kNumStages], (older / kNumStages) & 1);
-            }
             empty_wait(p, &ss.empty[stage], phase ^ 1);
             MEGAMOE_PROF(prof_empty += clock64() - prof_t2;)
             ss.stage_tile[stage] = packed;
@@ -488,8 +466,6 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
         __threadfence();
         ptx::red_release_gpu_or_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block * kL2ReadyWords + tile.n / 32,
                                     1u << (tile.n % 32));
-        if constexpr (kThrottleL2)
-            ptx::red_relaxed_gpu_add_u32(l1_tiles_done(p), 1);
     }
 }
 

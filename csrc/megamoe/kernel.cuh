@@ -142,7 +142,6 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     if (gt == 0) {
         grid_sync[ss.schedule.epoch & 1] = 0;  // count-exchange arrivals
         grid_sync[5] = 0;  // tile counter: every producer has taken its last tile
-        grid_sync[6] = 0;  // L1 tiles finished (kThrottleL2): every L1 epilogue is done
     }
 
     combine_reduce(p, blockIdx.x * 8 + ct / 32, gridDim.x * 8, ct % 32);
