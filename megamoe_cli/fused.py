@@ -334,7 +334,7 @@ class _Kernel:
     def read_trace(self) -> List[Dict[str, int]]:
         """Timeline events since the last reset (synchronize first), in the order they were taken:
         time_ns (globaltimer), clock (the SM's clock64), cta, kind (TRACE_KINDS), epoch (the call),
-        and for tile events layer (1 or 2), expert (local) and n (N tile)."""
+        and for tile events layer (1 or 2), expert (local), n (N tile) and block (pool block)."""
         self._require_profile()
         (count,) = struct.unpack("<I", self.module.read_global("megamoe_trace_count")[:4])
         raw = self.module.read_global("megamoe_trace")
@@ -343,13 +343,13 @@ class _Kernel:
         for i in range(min(count, capacity)):
             t, clock, cta_kind, epoch_info = struct.unpack_from("<4Q", raw, 32 * i)
             info = epoch_info & 0xFFFFFFFF
-            events.append({"time_ns": t, "clock": clock, "cta": cta_kind >> 32,
-                           "kind": TRACE_KINDS.get(cta_kind & 0xFFFFFFFF, str(cta_kind & 0xFFFFFFFF)),
+            events.append({"time_ns": t, "clock": clock, "cta": cta_kind >> 40,
+                           "kind": TRACE_KINDS.get(cta_kind & 0xFF, str(cta_kind & 0xFF)),
                            "epoch": epoch_info >> 32, "layer": 2 if info >> 31 else 1,
-                           "expert": (info >> 16) & 0x7FFF, "n": info & 0xFFFF})
+                           "expert": (info >> 16) & 0x7FFF, "n": info & 0xFFFF, "block": (cta_kind >> 8) & 0xFFFFFFFF})
         if count > capacity:
             events.append({"time_ns": 0, "clock": 0, "cta": -1, "kind": f"dropped {count - capacity}", "epoch": 0,
-                           "layer": 0, "expert": 0, "n": 0})
+                           "layer": 0, "expert": 0, "n": 0, "block": 0})
         return events
 
     def read_profile(self) -> Dict[str, int]:

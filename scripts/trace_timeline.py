@@ -6,6 +6,9 @@ gives over the whole call and shifted so that they agree with its globaltimer re
 average (the globaltimer alone may tick in microseconds).
 
     python3 scripts/trace_timeline.py trace.csv [--bin-us 2]
+
+Tiles are told apart by (CTA, layer, expert, N tile, pool block); the time bins widen so that a
+long call prints at most ~100 rows.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def summarize(events: List[Dict], bin_us: float = 2.0) -> str:
 
     # Tiles: per (cta, layer, expert, n) in order; a CTA runs its tiles in the order it took them.
     def key(e):
-        return (int(e["cta"]), int(e["layer"]), int(e["expert"]), int(e["n"]))
+        return (int(e["cta"]), int(e["layer"]), int(e["expert"]), int(e["n"]), int(e.get("block", 0) or 0))
 
     first: Dict[str, Dict] = {k: {} for k in ("take", "first_issue", "last_issue", "tile_start", "tile_end")}
     for kind in first:
@@ -103,7 +106,11 @@ def summarize(events: List[Dict], bin_us: float = 2.0) -> str:
         if k[1] == 1 and k in first["tile_start"]:
             l1_done[k[2]] = max(l1_done[k[2]], first["tile_end"][k])
             l1_first[k[2]] = min(l1_first.get(k[2], 1e18), first["tile_start"][k])
-    if l1_done:
+    if len(l1_done) > 32:
+        done = sorted(l1_done.values())
+        lines.append(f"experts ({len(done)}): their last L1 tile ends at (us) min {done[0]:.1f}, "
+                     f"median {statistics.median(done):.1f}, max {done[-1]:.1f}")
+    elif l1_done:
         lines.append("experts: L1 first start / last L1 end / spread of its L1 tile ends (us)")
         for ex in sorted(l1_done):
             ends = [first["tile_end"][k] for k in tiles if k[1] == 1 and k[2] == ex]
@@ -111,6 +118,7 @@ def summarize(events: List[Dict], bin_us: float = 2.0) -> str:
                          f" over {len(ends)} tiles")
     # Concurrency: CTAs whose consumers run an L1 / L2 tile, producers waiting for A rows
     end = max(e["us"] for e in evs)
+    bin_us = max(bin_us, end / 100)  # at most ~100 rows
     nbins = int(end / bin_us) + 1
     busy = {1: [0.0] * nbins, 2: [0.0] * nbins}
     waiting = [0.0] * nbins
@@ -137,7 +145,7 @@ def read_csv(path: str) -> List[Dict]:
 
 
 def write_csv(path: str, events: List[Dict]) -> None:
-    fields = ["time_ns", "clock", "cta", "kind", "epoch", "layer", "expert", "n"]
+    fields = ["time_ns", "clock", "cta", "kind", "epoch", "layer", "expert", "n", "block"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()

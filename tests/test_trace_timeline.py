@@ -67,3 +67,18 @@ def test_summary_shows_the_wait_and_the_occupancy():
     # 50-60 us: L1 ends at 50, the L2 tile runs 52-60 (0.8 of the bin), the wait ends at 51
     assert bins[5][2] == "0.8" and bins[5][3] == "0.1"
     assert "expert    0:     2.0 /    50.0 /    0.0 over 1 tiles" in text
+
+
+def test_tiles_of_different_blocks_are_told_apart():
+    """One CTA runs the same expert's N tile 0 for two pool blocks (prefill): both tiles count."""
+    out = [ev(0, "cta_start", 0.0)]
+    for block, (a, b) in enumerate(((1.0, 20.0), (21.0, 40.0))):
+        for kind, us in (("take", a - 0.5), ("first_issue", a - 0.4), ("tile_start", a), ("tile_end", b)):
+            e = ev(0, kind, us)
+            e["block"] = block
+            out.append(e)
+    out.append(ev(0, "cta_end", 41.0))
+    text = tl.summarize(out)
+    run = next(line for line in text.splitlines() if "L1 consumer start -> end" in line).split()
+    assert run[-3:] == ["19.0", "19.0", "19.0"]
+    assert next(line for line in text.splitlines() if "L1 take -> first stage issued" in line).split()[-1] == "2"

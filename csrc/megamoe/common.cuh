@@ -13,10 +13,10 @@
 // Cycle counters for profiling builds (MEGAMOE_PROFILE): summed over CTAs, read by the host
 // through the module global; slots: ProfileSlot below (names: PROFILE_SLOTS in megamoe_cli/fused.py).
 // The same builds keep a timeline: megamoe_trace holds up to kTraceEvents events of
-// {globaltimer ns, clock64, cta << 32 | kind, call epoch << 32 | info}, taken in order from
+// {globaltimer ns, clock64, cta << 40 | pool block << 8 | kind, call epoch << 32 | info}, taken in order from
 // megamoe_trace_count (kinds: TraceKind below; names: TRACE_KINDS in megamoe_cli/fused.py).
 #ifdef MEGAMOE_PROFILE
-constexpr uint32_t kTraceEvents = 65536;
+constexpr uint32_t kTraceEvents = 262144;
 extern "C" {
 __device__ unsigned long long megamoe_profile[32];
 __device__ unsigned int megamoe_trace_count;
@@ -24,18 +24,19 @@ __device__ ulonglong4 megamoe_trace[kTraceEvents];
 }
 #define MEGAMOE_PROF(...) __VA_ARGS__
 #define MEGAMOE_PROF_ADD(slot, value) atomicAdd(&megamoe_profile[slot], static_cast<unsigned long long>(value))
-#define MEGAMOE_TRACE(kind, epoch, info) megamoe_trace_event(kind, epoch, info)
-__device__ __forceinline__ void megamoe_trace_event(uint32_t kind, uint64_t epoch, uint32_t info) {
+#define MEGAMOE_TRACE(kind, epoch, info, block) megamoe_trace_event(kind, epoch, info, block)
+__device__ __forceinline__ void megamoe_trace_event(uint32_t kind, uint64_t epoch, uint32_t info, uint32_t block) {
     const uint32_t i = atomicAdd(&megamoe_trace_count, 1u);
     if (i < kTraceEvents)
         megamoe_trace[i] = make_ulonglong4(megamoe::ptx::globaltimer_ns(), clock64(),
-                                           (static_cast<unsigned long long>(blockIdx.x) << 32) | kind,
+                                           (static_cast<unsigned long long>(blockIdx.x) << 40) |
+                                               (static_cast<unsigned long long>(block) << 8) | kind,
                                            (epoch << 32) | info);
 }
 #else
 #define MEGAMOE_PROF(...)
 #define MEGAMOE_PROF_ADD(slot, value) ((void)0)
-#define MEGAMOE_TRACE(kind, epoch, info) ((void)0)
+#define MEGAMOE_TRACE(kind, epoch, info, block) ((void)0)
 #endif
 
 namespace megamoe {

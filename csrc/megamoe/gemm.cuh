@@ -217,7 +217,7 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         }
         const Tile tile = decode_tile(s, t, cluster_rank);
         const uint4 packed = pack_tile(t, tile);
-        MEGAMOE_TRACE(kTraceTake, s.epoch, trace_tile(tile));
+        MEGAMOE_TRACE(kTraceTake, s.epoch, trace_tile(tile), tile.block);
         if (!tile.is_l2) {
             // Wait until the tile's A rows landed (an L2 tile waits per K block: L2Ready)
             const uint32_t* counter = l1_arrival + tile.block;
@@ -304,8 +304,8 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
                 ptx::tma_load_2d_multicast(ss.b[stage] + cluster_rank * kBPartRows * kBlockK, tmap_b, &ss.full[stage],
                                            0, b_row + static_cast<int32_t>(cluster_rank * kBPartRows), kClusterMask);
             }
-            MEGAMOE_PROF(if (kb == 0) MEGAMOE_TRACE(kTraceFirstIssue, s.epoch, trace_tile(tile));
-                         if (kb == num_k - 1) MEGAMOE_TRACE(kTraceLastIssue, s.epoch, trace_tile(tile));)
+            MEGAMOE_PROF(if (kb == 0) MEGAMOE_TRACE(kTraceFirstIssue, s.epoch, trace_tile(tile), tile.block);
+                         if (kb == num_k - 1) MEGAMOE_TRACE(kTraceLastIssue, s.epoch, trace_tile(tile), tile.block);)
         }
     }
 }
@@ -643,14 +643,14 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         uint4 packed = ptx::ld_shared_v4_u32(&ss.stage_tile[it % kNumStages]);
         packed.x = __shfl_sync(0xffffffffu, packed.x, 0);
         if (packed.x == kNoMoreTiles) {
-            MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTilesDone, ss.schedule.epoch, 0);)
+            MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTilesDone, ss.schedule.epoch, 0, 0);)
             break;
         }
         packed.y = __shfl_sync(0xffffffffu, packed.y, 0);
         packed.z = __shfl_sync(0xffffffffu, packed.z, 0);
         packed.w = __shfl_sync(0xffffffffu, packed.w, 0);
         const Tile tile = unpack_tile(packed);
-        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile));)
+        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile), tile.block);)
         uint32_t status;
         if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
@@ -663,7 +663,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         }
         if (status != kConsumerOk)
             return status;
-        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileEnd, ss.schedule.epoch, trace_tile(tile));)
+        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileEnd, ss.schedule.epoch, trace_tile(tile), tile.block);)
     }
     MEGAMOE_PROF(if (prof) {
         for (uint32_t i = 0; i < 7; ++i)

@@ -90,7 +90,7 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
 
     build_schedule(p, s, dispatch_thread);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-    MEGAMOE_PROF(if (dispatch_thread == 0) MEGAMOE_TRACE(kTraceScheduleDone, s.epoch, 0);)
+    MEGAMOE_PROF(if (dispatch_thread == 0) MEGAMOE_TRACE(kTraceScheduleDone, s.epoch, 0, 0);)
     ptx::named_bar_arrive(kBarSchedule, kNumThreads);
 
     MEGAMOE_PROF(if (dispatch_thread == 0) ss.prof[2][5] = clock64();)
@@ -123,7 +123,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); }
-                 if (ct == 0) MEGAMOE_TRACE(kTraceBarrierDone, ss.schedule.epoch, 0);)
+                 if (ct == 0) MEGAMOE_TRACE(kTraceBarrierDone, ss.schedule.epoch, 0, 0);)
 
     // Cleanup: every counter this call used returns to zero for the next call.
     const uint32_t gt = blockIdx.x * kNumConsumerThreads + ct;
@@ -149,7 +149,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
         MEGAMOE_PROF_ADD(kProfReduce, clock64() - ss.prof[wg][8]);
         MEGAMOE_PROF_ADD(kProfConsumerTotal, clock64() - ss.prof[2][3]);
     }
-                 if (ct == 0) MEGAMOE_TRACE(kTraceCtaEnd, ss.schedule.epoch, 0);)
+                 if (ct == 0) MEGAMOE_TRACE(kTraceCtaEnd, ss.schedule.epoch, 0, 0);)
 
     if (blockIdx.x == 0 && ct == 0)
         grid_sync[4] = ss.schedule.epoch + 1;
@@ -177,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         // Every CTA's copy: its rank waits need it.  Block 0 advances it only at the very end,
         // after the combine grid barrier that every CTA reaches after reading it here.
         ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[4];
-        MEGAMOE_TRACE(kTraceCtaStart, ss.schedule.epoch, 0);
+        MEGAMOE_TRACE(kTraceCtaStart, ss.schedule.epoch, 0, 0);
         ptx::tma_prefetch_desc(&p.tmap_l1_a);
         ptx::tma_prefetch_desc(&p.tmap_l1_b);
         ptx::tma_prefetch_desc(&p.tmap_l2_a);
