@@ -70,7 +70,9 @@ case "$MODE" in
       run timing_base$r 300 env PYTHONPATH="$BASE" MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-base "${PY[@]}" "$BASE/scripts/profile_fused.py" --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
       run timing_new$r 300 "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
       # AB_VARIANT_ENV="VAR=value ...": a third timing, of this tree under that environment
-      [ -n "${AB_VARIANT_ENV:-}" ] && run timing_variant$r 300 env $AB_VARIANT_ENV MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-variant "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+      if [ -n "${AB_VARIANT_ENV:-}" ]; then
+        run timing_variant$r 300 env $AB_VARIANT_ENV MEGAMOE_CACHE_DIR=/tmp/megamoe-jit-variant "${PY[@]}" scripts/profile_fused.py --preset deepseek-v3 --tokens ${AB_TOKENS:-64,16384} --configs ${AB_CONFIGS:-64:4,128:4} ${AB_ARGS:-}
+      fi
     done
     ;;
   knob)  # A/B of an environment knob in this tree: KNOB=<variable> KNOB_VALUES="<v1> <v2> ..." timed

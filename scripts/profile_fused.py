@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cycle counters (a separate, slower build)")
     ap.add_argument("--trace", metavar="DIR", default=None,
-                    help="with --profile: write the last profiled call's timeline (trace_<tokens>_<config>_r<rank>.csv) "
+                    help="with --profile: write the profiled calls' timeline (trace_<tokens>_<config>_ws<world>_r<rank>.csv) "
                          "and print its summary (scripts/trace_timeline.py)")
     ap.add_argument("--profile-calls", type=int, default=1,
                     help="with --profile: calls back to back whose counters are averaged (1: one call after a barrier, "
@@ -158,10 +158,10 @@ def main() -> None:
                             import trace_timeline
                             os.makedirs(args.trace, exist_ok=True)
                             name = "_".join(f"{k}{v}" for k, v in sorted(config.items()))
-                            path = os.path.join(args.trace, f"trace_{tokens}_{name}_r{rank}.csv")
+                            path = os.path.join(args.trace, f"trace_{tokens}_{name}_ws{world}_r{rank}.csv")
                             trace_timeline.write_csv(path, trace)
-                            say(f"    timeline{'' if world == 1 else f' rank {rank}'} ({path}):")
-                            say("      " + trace_timeline.summarize(trace).replace("\n", "\n      "))
+                            print(f"    timeline{'' if world == 1 else f' rank {rank}'} ({path}):\n      "
+                                  + trace_timeline.summarize(trace).replace("\n", "\n      "), flush=True)
             del runner
             torch.cuda.empty_cache()
 
@@ -204,9 +204,10 @@ def host_costs(runner, problem, world: int) -> dict:
     return out
 
 
-def profile_call(runner, calls: int = 1) -> dict:
-    """Cycle counters summed over ``calls`` kernel calls back to back (the variant built with
-    MEGAMOE_PROFILE=1); print_profile divides by the warpgroups sampled, so it shows per-call means."""
+def profile_call(runner, calls: int = 1) -> tuple:
+    """(cycle counters summed over ``calls`` kernel calls back to back, their timeline events) from
+    the variant built with MEGAMOE_PROFILE=1; print_profile divides the counters by the warpgroups
+    sampled, so it shows per-call means."""
     from megamoe_cli.fused import get_kernel
     from megamoe_cli.kernel_source import variant_for
 

@@ -21,11 +21,21 @@ from typing import Dict, List
 
 
 def last_call(events: List[Dict]) -> List[Dict]:
-    """The events of the newest call (highest epoch) in the trace."""
+    """The events of the newest complete call (highest epoch whose every started CTA ended) in the
+    trace; the kernel keeps the first events when its buffer fills, so the newest call recorded may
+    be cut short.  Without a complete call, the newest one."""
     real = [e for e in events if int(e["cta"]) >= 0]
     if not real:
         return []
-    newest = max(int(e["epoch"]) for e in real)
+    starts: Dict[int, int] = defaultdict(int)
+    ends: Dict[int, int] = defaultdict(int)
+    for e in real:
+        if e["kind"] == "cta_start":
+            starts[int(e["epoch"])] += 1
+        elif e["kind"] == "cta_end":
+            ends[int(e["epoch"])] += 1
+    complete = [ep for ep, n in starts.items() if n and ends.get(ep) == n]
+    newest = max(complete) if complete else max(int(e["epoch"]) for e in real)
     return [e for e in real if int(e["epoch"]) == newest]
 
 
@@ -70,8 +80,8 @@ def summarize(events: List[Dict], bin_us: float = 2.0) -> str:
     lines = []
     dropped = [e["kind"] for e in events if str(e["kind"]).startswith("dropped")]
     if dropped:
-        lines.append(f"WARNING: the trace buffer overflowed ({dropped[0]} events): the newest call recorded may be "
-                     "incomplete; trace fewer calls")
+        lines.append(f"WARNING: the trace buffer overflowed ({dropped[0]} events): the newest complete call is "
+                     "shown; trace fewer calls for the last one")
     kinds: Dict[str, List[Dict]] = defaultdict(list)
     for e in evs:
         kinds[e["kind"]].append(e)
@@ -79,7 +89,7 @@ def summarize(events: List[Dict], bin_us: float = 2.0) -> str:
     for kind in ("cta_start", "schedule_done", "tiles_done", "barrier_done", "cta_end"):
         lines.append(f"  {kind:<36} {_spread([e['us'] for e in kinds[kind]])}")
 
-    # Tiles: per (cta, layer, expert, n) in order; a CTA runs its tiles in the order it took them.
+    # Tiles: per (cta, layer, expert, n, pool block); a CTA runs its tiles in the order it took them.
     def key(e):
         return (int(e["cta"]), int(e["layer"]), int(e["expert"]), int(e["n"]), int(e.get("block", 0) or 0))
 
@@ -133,7 +143,10 @@ def summarize(events: List[Dict], bin_us: float = 2.0) -> str:
             add(busy[k[1]], first["tile_start"][k], first["tile_end"][k])
         if k in first["take"] and k in first["first_issue"]:
             add(waiting, first["take"][k], first["first_issue"][k])
-    lines.append(f"time bin (us)   CTAs in L1 tiles   in L2 tiles   producers waiting for A rows")
+    # "in tiles": from a tile's first stage full to its epilogue's end (stage waits inside count as in);
+    # "take -> first issue": the producer has the tile but has not issued its first stage (its A
+    # rows or a free stage of the ring)
+    lines.append(f"time bin (us)   CTAs in L1 tiles   in L2 tiles   producers take -> first issue")
     for i in range(nbins):
         lines.append(f"  {i * bin_us:6.0f}  {busy[1][i]:16.1f} {busy[2][i]:13.1f} {waiting[i]:14.1f}")
     return "\n".join(lines)

@@ -82,3 +82,45 @@ def test_tiles_of_different_blocks_are_told_apart():
     run = next(line for line in text.splitlines() if "L1 consumer start -> end" in line).split()
     assert run[-3:] == ["19.0", "19.0", "19.0"]
     assert next(line for line in text.splitlines() if "L1 take -> first stage issued" in line).split()[-1] == "2"
+
+
+def test_an_overflowed_trace_shows_the_newest_complete_call():
+    """The kernel keeps the first events when its buffer fills: the newest call may be cut short."""
+    out = [ev(0, "cta_start", 0.0, epoch=7), ev(0, "cta_end", 30.0, epoch=7), ev(0, "cta_start", 40.0, epoch=8),
+           {"time_ns": 0, "clock": 0, "cta": -1, "kind": "dropped 5", "epoch": 0, "layer": 0, "expert": 0, "n": 0}]
+    assert {int(e["epoch"]) for e in tl.last_call(out)} == {7}
+    assert "WARNING: the trace buffer overflowed (dropped 5 events)" in tl.summarize(out)
+    assert {int(e["epoch"]) for e in tl.last_call(out[:-1] + [ev(0, "cta_end", 50.0, epoch=8)])} == {8}
+
+
+def test_read_trace_unpacks_what_the_kernel_packs_and_names_every_kind():
+    """megamoe_trace_event (csrc/megamoe/common.cuh) packs {globaltimer, clock64, cta << 40 | block << 8 |
+    kind, epoch << 32 | info}, info = is_l2 << 31 | expert << 16 | n (trace_tile in gemm.cuh)."""
+    import re
+    import struct
+    from types import SimpleNamespace
+
+    from megamoe_cli.fused import TRACE_KINDS, _Kernel
+    from megamoe_cli.kernel_source import csrc_dir
+
+    text = (csrc_dir() / "megamoe" / "common.cuh").read_text()
+    body = text[text.index("enum TraceKind"):]
+    body = body[:body.index("};")]
+    kinds = {int(number): name for name, number in re.findall(r"kTrace(\w+) = (\d+)", body)}
+    assert set(kinds) == set(TRACE_KINDS)
+    for number, name in kinds.items():
+        assert re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower() == TRACE_KINDS[number]
+
+    events = [(123, 456, (131 << 40) | (70000 << 8) | 6, (9 << 32) | (1 << 31) | (127 << 16) | 27),
+              (124, 457, (0 << 40) | 1, 9 << 32)]
+    raw = b"".join(struct.pack("<4Q", *e) for e in events) + bytes(32 * 3)
+    count = struct.pack("<I", len(events))
+    module = SimpleNamespace(read_global=lambda name: count if name == "megamoe_trace_count" else raw)
+    got = _Kernel.read_trace(SimpleNamespace(module=module, _require_profile=lambda: None))
+    assert got[0] == {"time_ns": 123, "clock": 456, "cta": 131, "kind": "tile_end", "epoch": 9, "layer": 2,
+                      "expert": 127, "n": 27, "block": 70000}
+    assert got[1]["kind"] == "cta_start" and got[1]["cta"] == 0 and got[1]["layer"] == 1
+    # More events counted than the buffer holds: the overflow is reported, not hidden
+    module.read_global = lambda name: struct.pack("<I", 9) if name == "megamoe_trace_count" else raw
+    got = _Kernel.read_trace(SimpleNamespace(module=module, _require_profile=lambda: None))
+    assert got[-1]["kind"] == "dropped 4"
