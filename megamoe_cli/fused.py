@@ -315,8 +315,7 @@ class _Kernel:
 
         self.profile = profiling_enabled()
         (built,) = build([kernel_build_source(variant, self.profile)])
-        # Profiling and diagnostic (MEGAMOE_EXPERIMENT) builds are for timing studies and may spill
-        if built.report.has_spills and not self.profile and not experiment_defines():
+        if built.report.has_spills and not self.profile:
             raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
