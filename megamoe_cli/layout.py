@@ -195,17 +195,18 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "local CTAs (atomic add, release); [0,1] also peer r (red.release.sys)",
         "local CTAs (acquire spin)",
         "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
-        "adds; zeroed by the owner's cleanup phase), [2,3] epilogue grid barrier (arrivals return "
-        "to 0, generation grows), [4] call epoch (grows), [5] tile counter (zeroed by the kernel's "
+        "adds; zeroed by the owner's cleanup phase), [2] combine-barrier arrivals (acq_rel add per "
+        "CTA; the last arriver returns it to 0 and signals the ranks), [3] unused, [4] call epoch (grows), [5] tile counter (zeroed by the kernel's "
         "cleanup phase)",
     ),
     "rank_flags": (
-        "peer r stores slot r (st.release.sys, monotonic epoch)",
+        "the last CTA of rank r to reach the combine barrier stores slot r (st.release.sys, monotonic epoch)",
         "every local CTA (ld.acquire.sys spin, one thread each)",
         "never: values only grow",
     ),
     "expert_recv_count": (
-        "peer r and this rank reserve slots in row [epoch parity][r] (atom.add.sys per pair)",
+        "peer r and this rank reserve slots in row [epoch parity][r] (atom.add.sys per pair; a rank "
+        "with at most 96 pairs counts them in shared memory and stores each final count)",
         "local CTAs after the count exchange",
         "zeroed by the kernel's cleanup phase (the call's parity)",
     ),

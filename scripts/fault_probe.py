@@ -17,6 +17,10 @@ Cases:
 * ``missing_rank``: the last rank skips the call and sleeps, the others wait for it until
   ``MEGAMOE_TIMEOUT_S`` (run under ``torchrun --nproc-per-node 2`` or more).
 
+``--tokens`` sets the call's tokens (and the buffer's): at most 96 pairs (24 tokens at top-4) are
+counted by one CTA in shared memory, more by atomics on the owners' counters; each path has its
+own range and overflow checks.
+
     PYTHONPATH=. python3 scripts/fault_probe.py --case bad_topk
     PYTHONPATH=. MEGAMOE_TIMEOUT_S=3 torchrun --nproc-per-node 2 scripts/fault_probe.py --case missing_rank
 """
@@ -39,7 +43,7 @@ from megamoe_cli.problem import make_problem
 
 CASES = ("bad_topk", "repeated_expert", "missing_rank")
 SHAPE = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)
-NUM_TOKENS = 16
+NUM_TOKENS = 16  # 64 pairs: the shared-memory count; 32 tokens (128 pairs) take the atomics
 # The pair (token 5, slot 1) of the bad_topk case: the diagnostic's index names it.
 BAD_PAIR = 5 * SHAPE.num_topk + 1
 BAD_EXPERT = 1000
@@ -63,6 +67,7 @@ def main() -> None:
     parser.add_argument("--case", choices=CASES, required=True)
     parser.add_argument("--pid-dir", type=Path, help="write rank<R>.pid here, so a caller can stop this run")
     parser.add_argument("--sleep-s", type=float, default=300.0, help="how long the missing rank sleeps")
+    parser.add_argument("--tokens", type=int, default=NUM_TOKENS, help="tokens of the call and of the buffer")
     args = parser.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -82,7 +87,8 @@ def main() -> None:
         dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", local_rank))
         group = dist.group.WORLD
 
-    problem = make_problem(SHAPE, rank, world_size, NUM_TOKENS, NUM_TOKENS, "cuda", seed=0)
+    tokens = args.tokens
+    problem = make_problem(SHAPE, rank, world_size, tokens, tokens, "cuda", seed=0)
     runner = FusedBackend().prepare(problem, group, {})
     buf = runner.buf
     runner()
@@ -92,9 +98,9 @@ def main() -> None:
         dist.barrier(group=group)
 
     if args.case == "bad_topk":
-        buf.topk_idx[:NUM_TOKENS].view(-1)[BAD_PAIR] = BAD_EXPERT
+        buf.topk_idx[:tokens].view(-1)[BAD_PAIR] = BAD_EXPERT
     elif args.case == "repeated_expert":
-        buf.topk_idx[:NUM_TOKENS].fill_(0)
+        buf.topk_idx[:tokens].fill_(0)
     elif rank == world_size - 1:
         say(rank, f"skipping the call at {time.time():.3f} and sleeping {args.sleep_s:g} s")
         time.sleep(args.sleep_s)

@@ -1,31 +1,8 @@
-// Grid-wide and cross-rank barriers.  Every wait has a real-time deadline.
+// The count exchange and the combine barrier.  Every wait has a real-time deadline.
 #pragma once
 #include "common.cuh"
 
 namespace megamoe {
-
-// Grid barrier among one thread of every CTA.  counter[0] counts arrivals and returns
-// to zero after every barrier; counter[1] is a generation that only grows, so the
-// words need no reset between calls and stay valid if the grid size changes.
-// NOTES: the generation is read (acquire) before arriving, so the last arriver cannot
-// have advanced it yet; the last arriver's release on the generation publishes every
-// write the other CTAs released with their arrival.
-__device__ __forceinline__ void grid_barrier(const Params& p, uint64_t* counter, uint32_t phase) {
-    const uint64_t gen = ptx::ld_acquire_gpu_u64(counter + 1);
-    const uint64_t old = ptx::atom_add_release_gpu_u64(counter, 1);
-    if (old == gridDim.x - 1) {
-        atomicExch(reinterpret_cast<unsigned long long*>(counter), 0ull);
-        ptx::atom_add_release_gpu_u64(counter + 1, 1);
-        return;
-    }
-    // Twice the deadline: the CTAs this barrier waits for may be stuck in a timed wait of their
-    // own (the tile pipeline, an arrival, a pull); that wait's diagnostic names the real cause,
-    // so it must fire first.
-    Deadline d(2 * p.timeout_ns);
-    uint64_t now;
-    while ((now = ptx::ld_acquire_gpu_u64(counter + 1)) == gen)
-        d.check(p, phase, gen + 1, now, 0);
-}
 
 // The count exchange: every working CTA of every rank announces that its pairs are counted
 // (its atomics on the owners' receive counters and its stores into their tables are done)
@@ -67,13 +44,12 @@ __device__ __forceinline__ void count_exchange(const Params& p, uint64_t* arriva
     }
 }
 
-// Cross-rank barrier, in two halves.  rank_signal (one thread of CTA 0): store `value`
-// into every rank's flag slot for this rank.  rank_wait (one thread of every CTA that needs
-// the barrier): wait until every rank's slot here reached it.  Values only grow
-// (epoch * 4 + barrier index), so a fast peer already at a later barrier also passes.
-// NOTES: the system-scope fence before the release stores orders every remote and local
-// write this CTA (and, through the grid barrier before, every CTA) made; a CTA that acquires
-// every rank's flag, its own rank's included, sees all of them without a second grid barrier.
+// Cross-rank signal (one thread, after a system fence): store `value` into every rank's flag
+// slot for this rank.  Values only grow (epoch * 4 + barrier index), so a fast peer already
+// at a later barrier also passes a wait for this one.
+// NOTES: the system-scope fence before the release stores orders every remote and local write
+// this thread made or acquired; a CTA that acquires every rank's flag, its own rank's
+// included, sees all of them.
 __device__ __forceinline__ void rank_signal(const Params& p, uint64_t value) {
     uint64_t* flags = at<uint64_t>(p, p.off_rank_flags);
     __threadfence_system();
@@ -82,14 +58,35 @@ __device__ __forceinline__ void rank_signal(const Params& p, uint64_t value) {
         ptx::st_release_sys_u64(map_to_rank(p, flags + p.rank, r), value);
 }
 
-__device__ __forceinline__ void rank_wait(const Params& p, uint64_t value, uint32_t phase) {
+// The combine barrier (one thread of every CTA): every CTA of every rank has pushed its L2
+// rows.  Each CTA arrives with one acq_rel add on this rank's counter; the last local arriver
+// returns the counter to zero and signals every rank (rank_signal), and every CTA waits for
+// every rank's signal, its own rank's included.  A grid barrier with a generation
+// word followed by CTA 0's signal took three more dependent round trips from the last tile to
+// the reduce: the generation read before arriving, the reset and generation bump, and CTA 0
+// noticing the bump.
+// NOTES: every CTA's consumers fence (system scope) and meet at a block barrier before its
+// add; the last arriver's add acquires every earlier add (one release sequence of RMWs), so
+// its system fence and release stores in rank_signal are cumulative over every local push.
+// The reset is not ordered against anything in this call: the counter's next add comes from
+// the next launch, after this grid has ended.  A missing signal of this rank means a local
+// CTA never arrived: that wait gets twice the deadline, since the CTA it waits for may be
+// stuck in a timed wait of its own (a tile pipeline, an arrival) whose diagnostic names the
+// real cause and must fire first.
+__device__ __forceinline__ void combine_barrier(const Params& p, uint64_t* counter, uint64_t value) {
+    if (ptx::atom_add_acq_rel_gpu_u64(counter, 1) == gridDim.x - 1) {
+        ptx::st_relaxed_gpu_u64(counter, 0);
+        rank_signal(p, value);
+    }
     const uint64_t* flags = at<uint64_t>(p, p.off_rank_flags);
     #pragma unroll
-    for (uint32_t r = 0; r < kNumRanks; ++r) {
-        Deadline d(p.timeout_ns);
+    for (uint32_t i = 0; i < kNumRanks; ++i) {
+        const uint32_t r = (p.rank + i) % kNumRanks;  // own rank first: a local straggler is named first
+        const bool local = r == p.rank;
+        Deadline d(local ? 2 * p.timeout_ns : p.timeout_ns);
         uint64_t now;
         while ((now = ptx::ld_acquire_sys_u64(flags + r)) < value)
-            d.check(p, phase, value, now, r);
+            d.check(p, local ? kPhaseCombineBarrier : kPhaseCombineRankBarrier, value, now, r);
     }
 }
 

@@ -45,7 +45,14 @@ __device__ __forceinline__ uint32_t* recv_counts(const Params& p, uint64_t epoch
 // Phase 1: reserve a slot per (token, k) pair with one system-scope atomic on the owning
 // rank's receive counter for this rank (the counter's final value is the count the owner
 // schedules from), and store the pair's source index into the owner's table at that slot.
-__device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, uint32_t dispatch_thread) {
+// With at most kNumDispatchThreads pairs (12 tokens at top-8), every pair is CTA 0's, and it
+// counts them in shared memory instead: one pair per thread, slots from shared-memory atomics,
+// then one plain store per touched expert of its final count into the owner's counter, which
+// no other CTA of this rank touches this call.  The exchange's system fence publishes those
+// stores like the atomics.  A remote atomic is a round trip over NVLink on the path to the
+// exchange; this takes it off (the exchange waits for the stores' acknowledgements anyway).
+__device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, uint32_t dispatch_thread,
+                                               uint32_t* smem_count) {
     // Inputs given by address are read there: the other CTAs' copies into the buffer are
     // not visible before the count exchange.
     const int64_t* topk_idx = p.in_topk_idx != 0 ? reinterpret_cast<const int64_t*>(p.in_topk_idx)
@@ -53,6 +60,34 @@ __device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, 
     uint32_t* recv_count = recv_counts(p, epoch) + p.rank * kNumExpertsPerRank;
     int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
     const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;
+    if (num_pairs <= kNumDispatchThreads) {
+        if (blockIdx.x != 0)
+            return;
+        const int64_t expert = dispatch_thread < num_pairs ? topk_idx[dispatch_thread] : -1;
+        for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads)
+            smem_count[e] = 0;
+        ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+        if (expert >= kNumExperts) {
+            fail(p, kPhaseBadTopkIdx, kNumExperts, static_cast<uint64_t>(expert), dispatch_thread);
+        } else if (expert >= 0) {
+            const uint32_t dst_rank = static_cast<uint32_t>(expert) / kNumExpertsPerRank;
+            const uint32_t local_expert = static_cast<uint32_t>(expert) % kNumExpertsPerRank;
+            const uint32_t slot = atomicAdd(smem_count + expert, 1u);
+            if (slot >= kNumMaxTokens) {
+                fail(p, kPhaseTooManyPairs, kNumMaxTokens, slot, static_cast<uint32_t>(expert));
+            } else {
+                int32_t* dst = src_table + (static_cast<uint64_t>(local_expert) * kNumRanks + p.rank) * kNumMaxTokens + slot;
+                *map_to_rank(p, dst, dst_rank) = static_cast<int32_t>(dispatch_thread);
+            }
+        }
+        ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+        for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads) {
+            const uint32_t n = smem_count[e];
+            if (n != 0)
+                *map_to_rank(p, recv_count + e % kNumExpertsPerRank, e / kNumExpertsPerRank) = n;
+        }
+        return;
+    }
     const uint32_t stride = gridDim.x * kNumDispatchThreads;
     for (uint32_t i = blockIdx.x * kNumDispatchThreads + dispatch_thread; i < num_pairs; i += stride) {
         const int64_t expert = topk_idx[i];

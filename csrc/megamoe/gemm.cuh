@@ -25,6 +25,8 @@ struct SharedStorage {
     // Tiles forwarded by the cluster leader's producer (TileSource); zeroed at start
     uint64_t tile_slot[kTileSlots];
     Schedule schedule;
+    // Pairs per expert of a call small enough for CTA 0 to count alone (dispatch_count)
+    uint32_t send_count[kNumExperts];
     MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
 };
 

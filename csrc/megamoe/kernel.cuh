@@ -72,7 +72,7 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     Schedule& s = ss.schedule;
 
-    dispatch_count(p, s.epoch, dispatch_thread);
+    dispatch_count(p, s.epoch, dispatch_thread, ss.send_count);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
     if (dispatch_thread == 0) {
         MEGAMOE_PROF(const uint64_t prof_t0 = clock64(); MEGAMOE_PROF_ADD(kProfDispatchCount, prof_t0 - ss.prof[2][4]);)
@@ -112,15 +112,16 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
         fail(p, kPhasePipeline, stuck, stuck ^ 1, 0);
     MEGAMOE_PROF(if (prof) ss.prof[wg][8] = clock64();)
 
+    // The reduce's warps: warp w of CTA b is reduce warp w * grid + b, so the few units of a
+    // small call (up to 7 parts of each token's row) land on different SMs, not on one.
+    const uint32_t reduce_warp = (ct / 32) * gridDim.x + blockIdx.x, reduce_warps = gridDim.x * 8;
+    const bool first_valid = reduce_first_slot_valid(p, reduce_warp, reduce_warps, ct % 32);
+
     // Every local L2 push is done; wait for every rank's pushes into our combine buffer.
     __threadfence_system();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-    if (ct == 0) {
-        grid_barrier(p, grid_sync + 2, kPhaseCombineBarrier);
-        if (blockIdx.x == 0)
-            rank_signal(p, ss.schedule.epoch * 4 + 2);
-        rank_wait(p, ss.schedule.epoch * 4 + 2, kPhaseCombineRankBarrier);
-    }
+    if (ct == 0)
+        combine_barrier(p, grid_sync + 2, ss.schedule.epoch * 4 + 2);
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); }
                  if (ct == 0) MEGAMOE_TRACE(kTraceBarrierDone, ss.schedule.epoch, 0, 0);)
@@ -144,7 +145,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
         grid_sync[5] = 0;  // tile counter: every producer has taken its last tile
     }
 
-    combine_reduce(p, blockIdx.x * 8 + ct / 32, gridDim.x * 8, ct % 32);
+    combine_reduce(p, reduce_warp, reduce_warps, ct % 32, first_valid);
     MEGAMOE_PROF(if (prof) {
         MEGAMOE_PROF_ADD(kProfReduce, clock64() - ss.prof[wg][8]);
         MEGAMOE_PROF_ADD(kProfConsumerTotal, clock64() - ss.prof[2][3]);

@@ -260,10 +260,17 @@ def failure_line(out, rank=0):
     return float(match.group(1)), match.group(2)
 
 
-def test_topk_idx_out_of_range_traps_with_its_diagnostic(tmp_path):
+# 16 tokens (64 pairs) are counted by one CTA in shared memory, 32 (128 pairs) by atomics on the
+# owners' counters: each path checks the expert range and the rows per expert itself.
+COUNT_PATHS = pytest.mark.parametrize("tokens", [16, 32], ids=["shared_count", "atomic_count"])
+
+
+@COUNT_PATHS
+def test_topk_idx_out_of_range_traps_with_its_diagnostic(tmp_path, tokens):
     needs_own_processes()
     probe = load_probe()
-    code, out = run_probe([sys.executable, str(PROBE_PATH), "--case", "bad_topk", "--pid-dir", str(tmp_path)],
+    code, out = run_probe([sys.executable, str(PROBE_PATH), "--case", "bad_topk", "--pid-dir", str(tmp_path),
+                           "--tokens", str(tokens)],
                           tmp_path, MEGAMOE_TIMEOUT_S="60")
     assert code == probe.EXIT_DIAGNOSED, out
     assert "rank 0: a valid call finished" in out
@@ -276,22 +283,24 @@ def test_topk_idx_out_of_range_traps_with_its_diagnostic(tmp_path):
     assert seconds < 10, "the range check traps at once; it must not wait for a deadline"
 
 
-def test_an_expert_overflowing_its_rows_traps_naming_the_expert(tmp_path):
+@COUNT_PATHS
+def test_an_expert_overflowing_its_rows_traps_naming_the_expert(tmp_path, tokens):
     needs_own_processes()
     probe = load_probe()
     code, out = run_probe(
-        [sys.executable, str(PROBE_PATH), "--case", "repeated_expert", "--pid-dir", str(tmp_path)],
+        [sys.executable, str(PROBE_PATH), "--case", "repeated_expert", "--pid-dir", str(tmp_path),
+         "--tokens", str(tokens)],
         tmp_path, MEGAMOE_TIMEOUT_S="60",
     )
     assert code == probe.EXIT_DIAGNOSED, out
     seconds, diagnostic = failure_line(out)
     match = re.fullmatch(
         r"megamoe kernel failed on rank 0: too many pairs for one expert \(a token repeats an expert\); "
-        rf"CTA \d+, thread \d+, index 0: expected {probe.NUM_TOKENS}, observed (\d+)",
+        rf"CTA \d+, thread \d+, index 0: expected {tokens}, observed (\d+)",
         diagnostic,
     )
     assert match, diagnostic
-    assert int(match.group(1)) >= probe.NUM_TOKENS
+    assert int(match.group(1)) >= tokens
     assert seconds < 10
 
 
