@@ -145,7 +145,9 @@ class BufferConfig:
     def num_max_pool_tokens(self) -> int:
         e_local = self.num_experts_per_rank
         worst = self.num_ranks * self.num_max_tokens_per_rank * min(self.shape.num_topk, e_local)
-        return align(worst + e_local * (self.block_m - 1), self.block_m)
+        # At least one block per local expert: small calls may run on the direct pool, where
+        # expert e's rows are pool block e (kDirectRowsPerSrc in csrc/megamoe/common.cuh).
+        return max(align(worst + e_local * (self.block_m - 1), self.block_m), e_local * self.block_m)
 
     @property
     def num_max_pool_blocks(self) -> int:
@@ -226,17 +228,17 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "overwritten every call",
     ),
     "pool_src_meta": (
-        "local pull: {source rank, token, topk slot, 0} per pool row",
+        "local pull, or peer r's push into block e (small calls, before the count exchange): {source rank, token, topk slot, 0} per pool row",
         "local L2 epilogue (where to push)",
         "overwritten every call",
     ),
-    "x": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink)", "caller"),
+    "x": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink), or this rank's push (small calls)", "caller"),
     "x_sf": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink)", "caller"),
     "topk_idx": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "local count (from the given tensor when given) and reduce", "caller"),
     "topk_weights": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink)", "caller"),
-    "l1_pool": ("local pull", "local L1 GEMM (TMA)", "overwritten every call"),
-    "l1_pool_sf": ("local pull", "local L1 GEMM (TMA, M-major)", "overwritten every call"),
-    "l1_pool_weights": ("local pull", "local L1 epilogue", "overwritten every call"),
+    "l1_pool": ("local pull, or peer r's push (small calls: expert e's block is pool block e)", "local L1 GEMM (TMA)", "overwritten every call"),
+    "l1_pool_sf": ("local pull or peer r's push", "local L1 GEMM (TMA, M-major)", "overwritten every call"),
+    "l1_pool_weights": ("local pull or peer r's push", "local L1 epilogue", "overwritten every call"),
     "l2_pool": ("local L1 epilogue", "local L2 GEMM (TMA)", "overwritten every call"),
     "l2_pool_sf": ("local L1 epilogue", "local L2 GEMM (TMA, M-major)", "overwritten every call"),
     "combine": (

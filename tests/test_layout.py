@@ -16,12 +16,15 @@ def _config(preset_name, ranks, tokens, block_m=64):
     return BufferConfig(num_ranks=ranks, num_max_tokens_per_rank=tokens, shape=PRESETS[preset_name], block_m=block_m)
 
 
-# P = align(R*T*min(topk, E_local) + E_local*(block_m - 1), block_m), worked by hand:
+# P = max(align(R*T*min(topk, E_local) + E_local*(block_m - 1), block_m), E_local*block_m) (at least one
+# block per local expert: the direct pool of small calls), worked by hand:
 #   seed-default 8 x 8192, block 192: E_local = 384/8 = 48; 8*8192*6 = 393216; + 48*191 = 9168
 #     -> 402384 = 2095.75 blocks -> 2096 blocks = 402432 rows.
 #   deepseek-v3 2 x 8192, block 64: E_local = 128; 2*8192*8 = 131072; + 128*63 = 8064 -> 139136 = 2174 blocks.
 #   deepseek-v3 8 x 1, block 64: E_local = 32; 8*1*8 = 64; + 32*63 = 2016 -> 2080 -> 33 blocks = 2112.
 #   small 8 x 100, block 64: E_local = 8/8 = 1, so min(topk=2, 1) = 1; 800 + 63 = 863 -> 14 blocks = 896.
+#   deepseek-v3 2 x 1, block 64: E_local = 128; 2*1*8 = 16; + 8064 = 8080 -> 127 blocks, under the
+#     floor of 128 blocks (one per local expert) = 8192 rows.
 @pytest.mark.parametrize(
     "preset_name, ranks, tokens, block_m, pool_tokens, pool_blocks",
     [
@@ -29,6 +32,7 @@ def _config(preset_name, ranks, tokens, block_m=64):
         ("deepseek-v3", 2, 8192, 64, 139136, 2174),
         ("deepseek-v3", 8, 1, 64, 2112, 33),
         ("small", 8, 100, 64, 896, 14),
+        ("deepseek-v3", 2, 1, 64, 8192, 128),
     ],
 )
 def test_pool_capacity_by_hand(preset_name, ranks, tokens, block_m, pool_tokens, pool_blocks):

@@ -5,25 +5,28 @@
 namespace megamoe {
 
 // The count exchange: every working CTA of every rank announces that its pairs are counted
-// (its atomics on the owners' receive counters and its stores into their tables are done)
-// and its inputs copied by one release add on every rank's `arrivals` word, and every CTA
-// waits until its own word says that every working CTA of every rank has.  One add carries a
-// CTA (bits 0-19); CTA 0's also carries its rank's number of working CTAs (bits 20-39) and
-// its rank (bits 40-47), so no rank needs the others' counts: the exchange is complete once
-// every rank is announced and the CTAs equal the announced numbers.
+// (its atomics on the owners' receive counters, or its stores of the final counts, and its
+// stores into their tables and direct pools are done) and its inputs copied by one release add
+// on every rank's `arrivals` word, and every CTA waits until its own word says that every
+// working CTA of every rank has.  One add carries a CTA (bits 0-19); CTA 0's also carries its
+// rank's number of working CTAs (bits 20-39), its rank (bits 40-47) and, when the rank pushed
+// its rows into the owners' direct pools (dispatch_count), a push (bits 48-55), so no rank
+// needs the others' counts: the exchange is complete once every rank is announced and the CTAs
+// equal the announced numbers.  Returns the number of ranks that pushed.
 // The word is this call's parity's ([0] or [1] of grid_sync), zeroed by the cleanup phase.
 // NOTES: a peer adds to the same parity's word again two calls later, after this rank's next
 // combine barrier, which this rank's next kernel signals only after this kernel's cleanup
 // (stream order, and the system fence before the signal).  Replaces a grid barrier, CTA 0's
 // publish of the counts and a cross-rank barrier.
-constexpr uint64_t kExchangeGridUnit = 1ull << 20, kExchangeRankUnit = 1ull << 40;
+constexpr uint64_t kExchangeGridUnit = 1ull << 20, kExchangeRankUnit = 1ull << 40, kExchangePushUnit = 1ull << 48;
 
 // Only the CTAs that wrote something the peers read before the exchange (`working`: the
 // first ones, see dispatch_role) take part; the others only wait, so a CTA that starts late
 // delays the exchange only when it has pairs to count or inputs to copy.
-__device__ __forceinline__ void count_exchange(const Params& p, uint64_t* arrivals, uint32_t working) {
+__device__ __forceinline__ uint32_t count_exchange(const Params& p, uint64_t* arrivals, uint32_t working, bool pushed) {
     if (blockIdx.x < working) {
-        const uint64_t add = 1 + (blockIdx.x == 0 ? kExchangeRankUnit + working * kExchangeGridUnit : 0);
+        const uint64_t add =
+            1 + (blockIdx.x == 0 ? kExchangeRankUnit + working * kExchangeGridUnit + (pushed ? kExchangePushUnit : 0) : 0);
         __threadfence_system();
         #pragma unroll
         for (uint32_t r = 0; r < kNumRanks; ++r)
@@ -33,10 +36,10 @@ __device__ __forceinline__ void count_exchange(const Params& p, uint64_t* arriva
     while (true) {
         const uint64_t v = ptx::ld_acquire_sys_u64(arrivals);
         const uint64_t ctas = v % kExchangeGridUnit, announced = (v / kExchangeGridUnit) % kExchangeGridUnit;
-        if (v / kExchangeRankUnit == kNumRanks && ctas == announced)
-            return;
         // index 0: ranks announced (expected all); index 1: CTAs arrived (expected those announced)
-        const uint64_t ranks = v / kExchangeRankUnit;
+        const uint64_t ranks = (v / kExchangeRankUnit) % (kExchangePushUnit / kExchangeRankUnit);
+        if (ranks == kNumRanks && ctas == announced)
+            return static_cast<uint32_t>(v / kExchangePushUnit);
         if (ranks < kNumRanks)
             d.check(p, kPhaseCountExchange, kNumRanks, ranks, 0);
         else

@@ -13,6 +13,10 @@ struct Schedule {
     uint32_t row_start[kNumExpertsPerRank + 1];
     uint32_t src_start[kNumExpertsPerRank][kNumRanks + 1];
     uint64_t epoch;
+    // 1: this call runs on the direct pool (kDirectRowsPerSrc): expert e's one block is pool
+    // block e, nothing is pulled.  Set by the count exchange, cleared by build_schedule when
+    // some (expert, source) count does not fit.
+    uint32_t direct;
 
     __device__ __forceinline__ uint32_t num_blocks() const { return block_start[kNumExpertsPerRank]; }
     __device__ __forceinline__ uint32_t num_rows() const { return row_start[kNumExpertsPerRank]; }
@@ -34,12 +38,91 @@ struct Schedule {
         const uint32_t first = (block - block_start[expert]) * kBlockM;
         return min(kBlockM, expert_count[expert] - first);
     }
+    // Whether row `row` of expert e's direct-pool block holds a pair: source rank
+    // row / kDirectRowsPerSrc pushed that many rows of it.
+    __device__ __forceinline__ bool direct_row_valid(uint32_t expert, uint32_t row) const {
+        constexpr uint32_t kRows = kDirectRowsPerSrc > 0 ? kDirectRowsPerSrc : 1;  // (unused without it)
+        const uint32_t src = row / kRows;
+        return row % kRows < src_start[expert][src + 1] - src_start[expert][src];
+    }
 };
+
+// Whether small calls push their rows into the owners' pools (see kDirectRowsPerSrc): the
+// pool must hold one block per local expert.  The same on every rank (one buffer config).
+__device__ __forceinline__ bool direct_pool_enabled(const Params& p) {
+    return kDirectRowsPerSrc > 0 && p.num_max_pool_tokens >= kNumExpertsPerRank * kBlockM;
+}
 
 // Receive counters of one call: [parity][source rank][local expert] in the owner's buffer;
 // calls alternate between the two halves by the parity of their epoch.
 __device__ __forceinline__ uint32_t* recv_counts(const Params& p, uint64_t epoch) {
     return at<uint32_t>(p, p.off_expert_recv_count) + (epoch & 1) * kNumRanks * kNumExpertsPerRank;
+}
+
+constexpr uint32_t kNoPush = 0xffffffffu;
+static_assert(kNumExpertsPerRank * kBlockM < (1u << 24), "direct-pool rows must fit in 24 bits");
+
+// Copy one pair's row into a pool row, by one warp, four 16-byte loads in flight per lane:
+// the FP8 row, its scales (the pool's are column-major: dst_sf + kb * pool rows), the routing
+// weight and {source rank, token, slot}.  The caller maps the source (pull) or the
+// destination (push) to the rank that holds it.
+__device__ __forceinline__ void copy_pair_row(const Params& p, const uint8_t* src_x_row, const float* src_sf_row,
+                                              const float* src_weight, int4 meta, uint8_t* dst_row_bytes,
+                                              float* dst_sf, float* dst_weight, int4* dst_meta, uint32_t lane) {
+    constexpr uint32_t kVecs = kHidden / 16;
+    constexpr uint32_t kVecsPerLane = (kVecs + 31) / 32;
+    constexpr uint32_t kBatch = 4;
+    constexpr uint32_t kSfPerRow = kHidden / 128;
+    const int4* src_row = reinterpret_cast<const int4*>(src_x_row);
+    int4* dst_row = reinterpret_cast<int4*>(dst_row_bytes);
+    #pragma unroll
+    for (uint32_t b = 0; b < kVecsPerLane; b += kBatch) {
+        int4 v[kBatch];
+        #pragma unroll
+        for (uint32_t u = 0; u < kBatch; ++u) {
+            const uint32_t idx = (b + u) * 32 + lane;
+            if (b + u < kVecsPerLane && idx < kVecs)
+                v[u] = __ldcg(src_row + idx);
+        }
+        #pragma unroll
+        for (uint32_t u = 0; u < kBatch; ++u) {
+            const uint32_t idx = (b + u) * 32 + lane;
+            if (b + u < kVecsPerLane && idx < kVecs)
+                dst_row[idx] = v[u];
+        }
+    }
+    #pragma unroll
+    for (uint32_t kb = lane; kb < kSfPerRow; kb += 32)
+        dst_sf[static_cast<uint64_t>(kb) * p.num_max_pool_tokens] = __ldcg(src_sf_row + kb);
+    if (lane == 0) {
+        *dst_weight = __ldcg(src_weight);
+        *dst_meta = meta;
+    }
+}
+
+// The direct pool's pushes (CTA 0 of a small call): warp w copies pairs w, w + 3, ...  Inputs
+// given by address are read there (the other CTAs' copies into the buffer are not visible
+// before the exchange).  The generic->async proxy fence: the owner's producer reads the rows
+// with TMA after the exchange.
+__device__ __forceinline__ void push_rows(const Params& p, const uint32_t* smem_push, uint32_t num_pairs,
+                                          uint32_t warp, uint32_t lane) {
+    const uint8_t* x = p.in_x != 0 ? reinterpret_cast<const uint8_t*>(p.in_x) : at<uint8_t>(p, p.off_x);
+    const float* x_sf = p.in_x_sf != 0 ? reinterpret_cast<const float*>(p.in_x_sf) : at<float>(p, p.off_x_sf);
+    const float* topk_weights = p.in_topk_weights != 0 ? reinterpret_cast<const float*>(p.in_topk_weights)
+                                                       : at<float>(p, p.off_topk_weights);
+    for (uint32_t j = warp; j < num_pairs; j += kNumDispatchWarps) {
+        const uint32_t d = smem_push[j];
+        if (d == kNoPush)
+            continue;
+        const uint32_t dst = d >> 24, row = d & 0xffffffu, token = j / kNumTopk;
+        copy_pair_row(p, x + static_cast<uint64_t>(token) * kHidden, x_sf + static_cast<uint64_t>(token) * (kHidden / 128),
+                      topk_weights + j, make_int4(static_cast<int>(p.rank), static_cast<int>(token), static_cast<int>(j % kNumTopk), 0),
+                      map_to_rank(p, at<uint8_t>(p, p.off_l1_pool) + static_cast<uint64_t>(row) * kHidden, dst),
+                      map_to_rank(p, at<float>(p, p.off_l1_pool_sf) + row, dst),
+                      map_to_rank(p, at<float>(p, p.off_l1_pool_weights) + row, dst),
+                      map_to_rank(p, at<int4>(p, p.off_pool_src_meta) + row, dst), lane);
+    }
+    ptx::fence_proxy_async_global();
 }
 
 // Phase 1: reserve a slot per (token, k) pair with one system-scope atomic on the owning
@@ -51,8 +134,12 @@ __device__ __forceinline__ uint32_t* recv_counts(const Params& p, uint64_t epoch
 // no other CTA of this rank touches this call.  The exchange's system fence publishes those
 // stores like the atomics.  A remote atomic is a round trip over NVLink on the path to the
 // exchange; this takes it off (the exchange waits for the stores' acknowledgements anyway).
+// Such a rank also pushes each pair's row, scales, routing weight and {rank, token, slot} into
+// the owner's direct-pool block when the pool has one (direct_pool_enabled) and the pair's slot
+// fits (slot < kDirectRowsPerSrc), with one warp per row, before the exchange; the exchange
+// tells the owners (count_exchange) and they decide whether to use it (build_schedule).
 __device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, uint32_t dispatch_thread,
-                                               uint32_t* smem_count) {
+                                               uint32_t* smem_count, uint32_t* smem_push) {
     // Inputs given by address are read there: the other CTAs' copies into the buffer are
     // not visible before the count exchange.
     const int64_t* topk_idx = p.in_topk_idx != 0 ? reinterpret_cast<const int64_t*>(p.in_topk_idx)
@@ -64,6 +151,7 @@ __device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, 
         if (blockIdx.x != 0)
             return;
         const int64_t expert = dispatch_thread < num_pairs ? topk_idx[dispatch_thread] : -1;
+        uint32_t push_row = kNoPush;  // dst rank << 24 | owner's pool row, when pushed
         for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads)
             smem_count[e] = 0;
         ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
@@ -78,14 +166,20 @@ __device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, 
             } else {
                 int32_t* dst = src_table + (static_cast<uint64_t>(local_expert) * kNumRanks + p.rank) * kNumMaxTokens + slot;
                 *map_to_rank(p, dst, dst_rank) = static_cast<int32_t>(dispatch_thread);
+                if (slot < kDirectRowsPerSrc)
+                    push_row = dst_rank << 24 | (local_expert * kBlockM + p.rank * kDirectRowsPerSrc + slot);
             }
         }
+        if (dispatch_thread < num_pairs)
+            smem_push[dispatch_thread] = push_row;
         ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
         for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads) {
             const uint32_t n = smem_count[e];
             if (n != 0)
                 *map_to_rank(p, recv_count + e % kNumExpertsPerRank, e / kNumExpertsPerRank) = n;
         }
+        if (direct_pool_enabled(p))
+            push_rows(p, smem_push, num_pairs, dispatch_thread / 32, dispatch_thread % 32);
         return;
     }
     const uint32_t stride = gridDim.x * kNumDispatchThreads;
@@ -118,7 +212,10 @@ __device__ __forceinline__ void build_schedule(const Params& p, Schedule& s, uin
         #pragma unroll
         for (uint32_t r = 0; r < kNumRanks; ++r) {
             s.src_start[e][r] = total;
-            total += __ldcg(recv_count + r * kNumExpertsPerRank + e);
+            const uint32_t n = __ldcg(recv_count + r * kNumExpertsPerRank + e);
+            if (n > kDirectRowsPerSrc)
+                s.direct = 0;  // every writer stores the same value
+            total += n;
         }
         s.src_start[e][kNumRanks] = total;
         s.expert_count[e] = total;
@@ -176,11 +273,6 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
     int4* pool_meta = at<int4>(p, p.off_pool_src_meta);
     uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
 
-    constexpr uint32_t kVecs = kHidden / 16;
-    constexpr uint32_t kVecsPerLane = (kVecs + 31) / 32;
-    constexpr uint32_t kBatch = 4;
-    constexpr uint32_t kSfPerRow = kHidden / 128;
-
 #ifdef MEGAMOE_EXP_PULL1  // diagnostic: one pulling warp per CTA instead of kNumDispatchWarps
     constexpr uint32_t kPullWarps = 1;
     if (dispatch_warp >= kPullWarps)
@@ -188,6 +280,8 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
 #else
     constexpr uint32_t kPullWarps = kNumDispatchWarps;
 #endif
+    if (s.direct)
+        return;  // the sources pushed every row (push_rows)
     const uint32_t num_rows = s.num_rows();
     const uint32_t num_warps = gridDim.x * kPullWarps;
     for (uint32_t j = blockIdx.x * kPullWarps + dispatch_warp; j < num_rows; j += num_warps) {
@@ -204,32 +298,12 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
         const uint32_t token = static_cast<uint32_t>(pair) / kNumTopk;
         const uint32_t k = static_cast<uint32_t>(pair) % kNumTopk;
 
-        const int4* src_row = reinterpret_cast<const int4*>(map_to_rank(p, x + static_cast<uint64_t>(token) * kHidden, src));
-        int4* dst_row = reinterpret_cast<int4*>(pool + static_cast<uint64_t>(pool_row) * kHidden);
-        #pragma unroll
-        for (uint32_t b = 0; b < kVecsPerLane; b += kBatch) {
-            int4 v[kBatch];
-            #pragma unroll
-            for (uint32_t u = 0; u < kBatch; ++u) {
-                const uint32_t idx = (b + u) * 32 + lane;
-                if (b + u < kVecsPerLane && idx < kVecs)
-                    v[u] = __ldcg(src_row + idx);
-            }
-            #pragma unroll
-            for (uint32_t u = 0; u < kBatch; ++u) {
-                const uint32_t idx = (b + u) * 32 + lane;
-                if (b + u < kVecsPerLane && idx < kVecs)
-                    dst_row[idx] = v[u];
-            }
-        }
-        const float* src_sf = map_to_rank(p, x_sf + static_cast<uint64_t>(token) * kSfPerRow, src);
-        #pragma unroll
-        for (uint32_t kb = lane; kb < kSfPerRow; kb += 32)
-            pool_sf[static_cast<uint64_t>(kb) * p.num_max_pool_tokens + pool_row] = __ldcg(src_sf + kb);
-        if (lane == 0) {
-            pool_weights[pool_row] = __ldcg(map_to_rank(p, topk_weights + pair, src));
-            pool_meta[pool_row] = make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(k), 0);
-        }
+        copy_pair_row(p, map_to_rank(p, x + static_cast<uint64_t>(token) * kHidden, src),
+                      map_to_rank(p, x_sf + static_cast<uint64_t>(token) * (kHidden / 128), src),
+                      map_to_rank(p, topk_weights + pair, src),
+                      make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(k), 0),
+                      pool + static_cast<uint64_t>(pool_row) * kHidden, pool_sf + pool_row, pool_weights + pool_row,
+                      pool_meta + pool_row, lane);
         ptx::fence_proxy_async_global();
         __syncwarp();
         if (lane == 0) {

@@ -27,6 +27,8 @@ struct SharedStorage {
     Schedule schedule;
     // Pairs per expert of a call small enough for CTA 0 to count alone (dispatch_count)
     uint32_t send_count[kNumExperts];
+    // Per pair of such a call: the owner's rank << 24 | direct-pool row it is pushed to, or kNoPush
+    uint32_t push_rows[kNumDispatchThreads];
     MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
 };
 
@@ -39,7 +41,8 @@ struct Tile {
     uint32_t expert;
     uint32_t block;
     uint32_t n;
-    uint32_t rows;  // valid rows of the block
+    uint32_t rows;  // valid rows of the block (a direct-pool block: all; see direct)
+    bool direct;    // a direct-pool block (Schedule::direct): rows valid by Schedule::direct_row_valid
 };
 
 // The producer decodes each tile once and hands it to the consumers with every stage, so
@@ -49,7 +52,8 @@ static_assert(kNumExpertsPerRank <= 0xffffu && kNumL2NTiles <= 0xffffu && kNumL1
                   kBlockM <= 0xffffu,
               "pack_tile keeps the expert, the N tile and the valid rows in 16 bits each");
 __device__ __forceinline__ uint4 pack_tile(uint32_t t, const Tile& tile) {
-    return make_uint4(t, tile.expert | (tile.n << 16), tile.block, tile.rows | (tile.is_l2 ? 1u << 16 : 0u));
+    return make_uint4(t, tile.expert | (tile.n << 16), tile.block,
+                      tile.rows | (tile.is_l2 ? 1u << 16 : 0u) | (tile.direct ? 1u << 17 : 0u));
 }
 __device__ __forceinline__ Tile unpack_tile(const uint4& v) {
     Tile tile;
@@ -58,6 +62,7 @@ __device__ __forceinline__ Tile unpack_tile(const uint4& v) {
     tile.block = v.z;
     tile.rows = v.w & 0xffffu;
     tile.is_l2 = (v.w >> 16) & 1u;
+    tile.direct = (v.w >> 17) & 1u;
     tile.share_a = false;
     return tile;
 }
@@ -99,8 +104,14 @@ __device__ __forceinline__ Tile decode_tile(const Schedule& s, uint32_t t, uint3
         tile.n = (local - num_units * num_n) * kClusterM + cluster_rank;
         block_in_expert = num_blocks - 1;
     }
-    tile.block = first + block_in_expert;
-    tile.rows = s.valid_rows(tile.expert, tile.block);
+    tile.direct = s.direct != 0;
+    if (tile.direct) {  // one block per expert (kDirectRowsPerSrc rows per source fit in it)
+        tile.block = tile.expert;
+        tile.rows = kBlockM;
+    } else {
+        tile.block = first + block_in_expert;
+        tile.rows = s.valid_rows(tile.expert, tile.block);
+    }
     return tile;
 }
 
@@ -221,7 +232,9 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
         const Tile tile = decode_tile(s, t, cluster_rank);
         const uint4 packed = pack_tile(t, tile);
         MEGAMOE_TRACE(kTraceTake, s.epoch, trace_tile(tile), tile.block);
-        if (!tile.is_l2) {
+        if (!tile.is_l2 && tile.direct) {
+            ptx::fence_proxy_async_global();  // pushed before the exchange: TMA reads them now
+        } else if (!tile.is_l2) {
             // Wait until the tile's A rows landed (an L2 tile waits per K block: L2Ready)
             const uint32_t* counter = l1_arrival + tile.block;
             MEGAMOE_PROF(const uint64_t prof_t0 = clock64();)
@@ -347,11 +360,12 @@ struct WgSlice {
 struct EpilogueInputs {
     float weight[2];
     int4 src[2];
+    bool valid[2];  // L2: the row holds a pair (its push goes out)
 };
 
 template <typename Slice>
-__device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, const Tile& tile, Slice slice,
-                                                                uint32_t tid) {
+__device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, const SharedStorage& ss, const Tile& tile,
+                                                                Slice slice, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
@@ -361,6 +375,7 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
         in.weight[0] = __ldcg(pool_weights + m0 + r0);
         in.weight[1] = __ldcg(pool_weights + m0 + r0 + 8);
         in.src[0] = in.src[1] = make_int4(0, 0, 0, 0);
+        in.valid[0] = in.valid[1] = false;
     } else {
         in.weight[0] = in.weight[1] = 0.0f;
         const int4* meta = at<int4>(p, p.off_pool_src_meta);
@@ -369,7 +384,8 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
             // Three scalar loads, not one vector: a dead fourth word's register would be
             // reused by the K loop, whose write would then wait for the load to land.
             in.src[r] = make_int4(0, 0, 0, 0);
-            if (r0 + 8 * r < tile.rows) {
+            in.valid[r] = tile.direct ? ss.schedule.direct_row_valid(tile.expert, r0 + 8 * r) : r0 + 8 * r < tile.rows;
+            if (in.valid[r]) {
                 const int* row_meta = reinterpret_cast<const int*>(meta + m0 + r0 + 8 * r);
                 in.src[r].x = __ldcg(row_meta);
                 in.src[r].y = __ldcg(row_meta + 1);
@@ -487,7 +503,7 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
     __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
     #pragma unroll
     for (uint32_t r = 0; r < 2; ++r) {
-        if (r0 + 8 * r >= tile.rows)
+        if (!in.valid[r])
             continue;
         const int4 src = in.src[r];
         __nv_bfloat16* dst = combine +
@@ -529,7 +545,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
     (void)prof; (void)prof_c;
-    const EpilogueInputs in = load_epilogue_inputs(p, tile, slice, tid);
+    const EpilogueInputs in = load_epilogue_inputs(p, ss, tile, slice, tid);
     #pragma unroll
     for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
         acc[i] = 0.0f;

@@ -72,7 +72,7 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     Schedule& s = ss.schedule;
 
-    dispatch_count(p, s.epoch, dispatch_thread, ss.send_count);
+    dispatch_count(p, s.epoch, dispatch_thread, ss.send_count, ss.push_rows);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
     if (dispatch_thread == 0) {
         MEGAMOE_PROF(const uint64_t prof_t0 = clock64(); MEGAMOE_PROF_ADD(kProfDispatchCount, prof_t0 - ss.prof[2][4]);)
@@ -83,7 +83,9 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
         const uint32_t copy_ctas =
             p.in_x != 0 ? ceil_div(static_cast<uint32_t>(p.num_tokens) * (kHidden / 16), kNumThreads) : 0;
         const uint32_t working = max(1u, min(gridDim.x, max(pair_ctas, copy_ctas)));
-        count_exchange(p, grid_sync + (s.epoch & 1), working);
+        // Pushed: CTA 0 of a small call copied its rows into the owners' direct pools.
+        const bool pushed = static_cast<uint32_t>(p.num_tokens) * kNumTopk <= kNumDispatchThreads && direct_pool_enabled(p);
+        s.direct = count_exchange(p, grid_sync + (s.epoch & 1), working, pushed) == kNumRanks;
         MEGAMOE_PROF_ADD(kProfDispatchExchange, clock64() - prof_t0);
     }
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
@@ -134,7 +136,9 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     uint32_t* recv_count = recv_counts(p, ss.schedule.epoch);
     for (uint32_t i = gt; i < ss.schedule.num_blocks(); i += stride)
         l1_arrival[i] = 0;
-    for (uint32_t i = gt; i < ss.schedule.num_blocks() * kL2ReadyWords; i += stride)
+    // (a direct-pool call's blocks are its experts' numbers)
+    const uint32_t used_blocks = ss.schedule.direct ? kNumExpertsPerRank : ss.schedule.num_blocks();
+    for (uint32_t i = gt; i < used_blocks * kL2ReadyWords; i += stride)
         l2_arrival[i] = 0;
     // This call's parity: every local CTA has built its schedule from it (before the combine
     // barrier), and no peer adds to it again before the call after next (count_exchange).

@@ -165,6 +165,38 @@ def test_graph_backend_replays_the_eager_result(group):
         assert torch.equal(y, eager)
 
 
+# Calls of at most 96 pairs per rank (24 tokens at top-4) run on the direct pool: every rank
+# pushes its rows into the owners' pool blocks before the count exchange and nothing is pulled,
+# unless some rank is larger or some (expert, source rank) count exceeds 64 / world rows; then
+# the owners pull as usual and ignore what was pushed.  A token may name an expert in several
+# of its slots, so 24 tokens naming expert 0 in all 4 exceed the direct rows at any world size.
+@pytest.mark.parametrize("case", ["direct", "direct_given_inputs", "fallback_repeated_expert", "fallback_one_large_rank"])
+def test_small_calls_direct_pool_and_its_fallbacks(group, case):
+    rank, world = rank_and_world(group)
+    seed = shared_seed(group)
+    for i in range(3):  # calls alternate between the halves of the buffer's counters
+        num_tokens = 24 if case != "fallback_one_large_rank" or rank != 0 else 60
+        problem = make_problem(SMALL, rank, world, num_tokens - i, 128, "cuda", seed + i)
+        if case == "fallback_repeated_expert":
+            problem.topk_idx.fill_(0)
+        if case == "direct_given_inputs":
+            runner = FusedBackend().prepare(problem, group, {})
+            buf = runner.buf
+            buf.x.view(torch.uint8).fill_(0x7E)  # poison: the pushes must read the given inputs
+            buf.x_sf.fill_(1.0e3)
+            buf.topk_weights.fill_(float("nan"))
+            runner.y.fill_(float("nan"))
+            if group is not None:
+                torch.distributed.barrier(group=group)
+            mega_moe(runner.y, runner.l1, runner.l2, buf, config=runner.kernel_cfg, x=problem.x,
+                     x_sf=problem.x_sf, topk_idx=problem.topk_idx, topk_weights=problem.topk_weights)
+            synchronize(buf)
+            y = runner.y.clone()
+        else:
+            _, y = run_fused(problem, group)
+        check_against_reference(problem, group, y)
+
+
 def test_changing_routing_between_calls(group):
     rank, world = rank_and_world(group)
     seed = shared_seed(group)
