@@ -59,70 +59,128 @@ __device__ __forceinline__ uint32_t* recv_counts(const Params& p, uint64_t epoch
     return at<uint32_t>(p, p.off_expert_recv_count) + (epoch & 1) * kNumRanks * kNumExpertsPerRank;
 }
 
-constexpr uint32_t kNoPush = 0xffffffffu;
-static_assert(kNumExpertsPerRank * kBlockM < (1u << 24), "direct-pool rows must fit in 24 bits");
-
-// Copy one pair's row into a pool row, by one warp, four 16-byte loads in flight per lane:
-// the FP8 row, its scales (the pool's are column-major: dst_sf + kb * pool rows), the routing
-// weight and {source rank, token, slot}.  The caller maps the source (pull) or the
-// destination (push) to the rank that holds it.
+// Copy one pair's row, or part of it, into pool row `pool_row`, by one warp, kBatch 16-byte loads
+// in flight per lane: 16-byte pieces [vec_begin, vec_end) of the FP8 row and, with `head`, its
+// scales (the pool's are column-major), routing weight and `meta` ({source rank, token, slot}).
+// The caller maps the sources (pull: the peer's x); the pool is this rank's plus dst_delta
+// (push: the owner's, p.peer_delta[owner]).
+template <uint32_t kBatch>
 __device__ __forceinline__ void copy_pair_row(const Params& p, const uint8_t* src_x_row, const float* src_sf_row,
-                                              const float* src_weight, int4 meta, uint8_t* dst_row_bytes,
-                                              float* dst_sf, float* dst_weight, int4* dst_meta, uint32_t lane) {
-    constexpr uint32_t kVecs = kHidden / 16;
-    constexpr uint32_t kVecsPerLane = (kVecs + 31) / 32;
-    constexpr uint32_t kBatch = 4;
+                                              const float* src_weight, int4 meta, uint32_t pool_row, int64_t dst_delta,
+                                              uint32_t vec_begin, uint32_t vec_end, bool head, uint32_t lane) {
     constexpr uint32_t kSfPerRow = kHidden / 128;
     const int4* src_row = reinterpret_cast<const int4*>(src_x_row);
-    int4* dst_row = reinterpret_cast<int4*>(dst_row_bytes);
-    #pragma unroll
-    for (uint32_t b = 0; b < kVecsPerLane; b += kBatch) {
+    int4* dst_row = reinterpret_cast<int4*>(p.buffer + dst_delta + p.off_l1_pool + static_cast<uint64_t>(pool_row) * kHidden);
+    for (uint32_t base = vec_begin; base < vec_end; base += 32 * kBatch) {
         int4 v[kBatch];
         #pragma unroll
         for (uint32_t u = 0; u < kBatch; ++u) {
-            const uint32_t idx = (b + u) * 32 + lane;
-            if (b + u < kVecsPerLane && idx < kVecs)
+            const uint32_t idx = base + u * 32 + lane;
+            if (idx < vec_end)
                 v[u] = __ldcg(src_row + idx);
         }
         #pragma unroll
         for (uint32_t u = 0; u < kBatch; ++u) {
-            const uint32_t idx = (b + u) * 32 + lane;
-            if (b + u < kVecsPerLane && idx < kVecs)
+            const uint32_t idx = base + u * 32 + lane;
+            if (idx < vec_end)
                 dst_row[idx] = v[u];
         }
     }
+    if (!head)
+        return;
+    float* dst_sf = reinterpret_cast<float*>(p.buffer + dst_delta + p.off_l1_pool_sf) + pool_row;
     #pragma unroll
     for (uint32_t kb = lane; kb < kSfPerRow; kb += 32)
         dst_sf[static_cast<uint64_t>(kb) * p.num_max_pool_tokens] = __ldcg(src_sf_row + kb);
     if (lane == 0) {
-        *dst_weight = __ldcg(src_weight);
-        *dst_meta = meta;
+        reinterpret_cast<float*>(p.buffer + dst_delta + p.off_l1_pool_weights)[pool_row] = __ldcg(src_weight);
+        reinterpret_cast<int4*>(p.buffer + dst_delta + p.off_pool_src_meta)[pool_row] = meta;
     }
 }
 
-// The direct pool's pushes (CTA 0 of a small call): warp w copies pairs w, w + 3, ...  Inputs
-// given by address are read there (the other CTAs' copies into the buffer are not visible
-// before the exchange).  The generic->async proxy fence: the owner's producer reads the rows
-// with TMA after the exchange.
-__device__ __forceinline__ void push_rows(const Params& p, const uint32_t* smem_push, uint32_t num_pairs,
-                                          uint32_t warp, uint32_t lane) {
+// The direct pool's pushes (every pair of a small call, before the exchange): kPushParts warps
+// per pair, anywhere in the grid (warp u: pair u / kPushParts, part u % kPushParts of its row),
+// so each part is one batch of loads in flight (two per lane: the dispatch warps' 56 registers)
+// and no SM copies more than a few parts (one CTA copying every row took longer than the pull
+// it replaced: 2-55 us more at 1-12 tokens).  A
+// pair's slot is its rank among this rank's pairs of the same expert, in pair order (a ballot
+// over topk_idx), so the slots of an expert are 0 .. count - 1 like dispatch_count's.  Only
+// slots below kDirectRowsPerSrc are pushed; CTA 0's count checks the experts and traps on bad
+// ones.  Inputs given by address are read there (the other CTAs' copies into the buffer are not
+// visible before the exchange).  The generic->async proxy fence: the owners' producers read the
+// rows with TMA after the exchange.
+constexpr uint32_t kPushParts = 8;
+
+constexpr uint32_t kPushBatch = 2;
+// (one batch per part up to hidden 8192: 16-byte pieces per part <= 32 lanes * kPushBatch)
+
+__device__ __forceinline__ uint32_t push_ctas(uint32_t num_pairs) {
+    return ceil_div(num_pairs * kPushParts, kNumDispatchWarps);
+}
+
+__device__ __forceinline__ void push_rows(const Params& p, const int64_t* topk_idx, uint32_t num_pairs, uint32_t warp,
+                                          uint32_t lane) {
+    constexpr uint32_t kVecs = kHidden / 16;
+    constexpr uint32_t kPartVecs = (kVecs + kPushParts - 1) / kPushParts;
+    constexpr uint32_t kPairChunks = (kNumDispatchThreads + 31) / 32;
     const uint8_t* x = p.in_x != 0 ? reinterpret_cast<const uint8_t*>(p.in_x) : at<uint8_t>(p, p.off_x);
     const float* x_sf = p.in_x_sf != 0 ? reinterpret_cast<const float*>(p.in_x_sf) : at<float>(p, p.off_x_sf);
     const float* topk_weights = p.in_topk_weights != 0 ? reinterpret_cast<const float*>(p.in_topk_weights)
                                                        : at<float>(p, p.off_topk_weights);
-    for (uint32_t j = warp; j < num_pairs; j += kNumDispatchWarps) {
-        const uint32_t d = smem_push[j];
-        if (d == kNoPush)
+    const uint32_t first = blockIdx.x * kNumDispatchWarps + warp, stride = gridDim.x * kNumDispatchWarps;
+    if (first >= num_pairs * kPushParts)
+        return;
+    for (uint32_t u = first; u < num_pairs * kPushParts; u += stride) {
+        const uint32_t j = u / kPushParts, part = u % kPushParts;
+        const int64_t e = topk_idx[j];
+        if (e < 0 || e >= kNumExperts)
             continue;
-        const uint32_t dst = d >> 24, row = d & 0xffffffu, token = j / kNumTopk;
-        copy_pair_row(p, x + static_cast<uint64_t>(token) * kHidden, x_sf + static_cast<uint64_t>(token) * (kHidden / 128),
+        const uint32_t expert = static_cast<uint32_t>(e);
+        uint32_t slot = 0;
+        #pragma unroll
+        for (uint32_t c = 0; c < kPairChunks; ++c) {
+            const uint32_t i = 32 * c + lane;
+            slot += __popc(__ballot_sync(0xffffffffu, i < j && topk_idx[i] == e));
+        }
+        if (slot >= kDirectRowsPerSrc)
+            continue;
+        const uint32_t row = expert % kNumExpertsPerRank * kBlockM + p.rank * kDirectRowsPerSrc + slot;
+        const uint32_t token = j / kNumTopk;
+        copy_pair_row<kPushBatch>(p, x + static_cast<uint64_t>(token) * kHidden, x_sf + static_cast<uint64_t>(token) * (kHidden / 128),
                       topk_weights + j, make_int4(static_cast<int>(p.rank), static_cast<int>(token), static_cast<int>(j % kNumTopk), 0),
-                      map_to_rank(p, at<uint8_t>(p, p.off_l1_pool) + static_cast<uint64_t>(row) * kHidden, dst),
-                      map_to_rank(p, at<float>(p, p.off_l1_pool_sf) + row, dst),
-                      map_to_rank(p, at<float>(p, p.off_l1_pool_weights) + row, dst),
-                      map_to_rank(p, at<int4>(p, p.off_pool_src_meta) + row, dst), lane);
+                      row, p.peer_delta[expert / kNumExpertsPerRank], part * kPartVecs, min(kVecs, (part + 1) * kPartVecs),
+                      part == 0, lane);
     }
     ptx::fence_proxy_async_global();
+}
+
+// dispatch_count's count of a small call in CTA 0's shared memory (see there).
+__device__ __forceinline__ void count_in_shared_memory(const Params& p, const int64_t* topk_idx, uint32_t* recv_count,
+                                                       int32_t* src_table, uint32_t num_pairs, uint32_t dispatch_thread,
+                                                       uint32_t* smem_count) {
+    const int64_t expert = dispatch_thread < num_pairs ? topk_idx[dispatch_thread] : -1;
+    for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads)
+        smem_count[e] = 0;
+    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+    if (expert >= kNumExperts) {
+        fail(p, kPhaseBadTopkIdx, kNumExperts, static_cast<uint64_t>(expert), dispatch_thread);
+    } else if (expert >= 0) {
+        const uint32_t dst_rank = static_cast<uint32_t>(expert) / kNumExpertsPerRank;
+        const uint32_t local_expert = static_cast<uint32_t>(expert) % kNumExpertsPerRank;
+        const uint32_t slot = atomicAdd(smem_count + expert, 1u);
+        if (slot >= kNumMaxTokens) {
+            fail(p, kPhaseTooManyPairs, kNumMaxTokens, slot, static_cast<uint32_t>(expert));
+        } else {
+            int32_t* dst = src_table + (static_cast<uint64_t>(local_expert) * kNumRanks + p.rank) * kNumMaxTokens + slot;
+            *map_to_rank(p, dst, dst_rank) = static_cast<int32_t>(dispatch_thread);
+        }
+    }
+    ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
+    for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads) {
+        const uint32_t n = smem_count[e];
+        if (n != 0)
+            *map_to_rank(p, recv_count + e % kNumExpertsPerRank, e / kNumExpertsPerRank) = n;
+    }
 }
 
 // Phase 1: reserve a slot per (token, k) pair with one system-scope atomic on the owning
@@ -136,10 +194,10 @@ __device__ __forceinline__ void push_rows(const Params& p, const uint32_t* smem_
 // exchange; this takes it off (the exchange waits for the stores' acknowledgements anyway).
 // Such a rank also pushes each pair's row, scales, routing weight and {rank, token, slot} into
 // the owner's direct-pool block when the pool has one (direct_pool_enabled) and the pair's slot
-// fits (slot < kDirectRowsPerSrc), with one warp per row, before the exchange; the exchange
-// tells the owners (count_exchange) and they decide whether to use it (build_schedule).
+// fits (slot < kDirectRowsPerSrc), from many CTAs (push_rows), before the exchange; the
+// exchange tells the owners (count_exchange) and they decide whether to use it (build_schedule).
 __device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, uint32_t dispatch_thread,
-                                               uint32_t* smem_count, uint32_t* smem_push) {
+                                               uint32_t* smem_count) {
     // Inputs given by address are read there: the other CTAs' copies into the buffer are
     // not visible before the count exchange.
     const int64_t* topk_idx = p.in_topk_idx != 0 ? reinterpret_cast<const int64_t*>(p.in_topk_idx)
@@ -148,38 +206,10 @@ __device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, 
     int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
     const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;
     if (num_pairs <= kNumDispatchThreads) {
-        if (blockIdx.x != 0)
-            return;
-        const int64_t expert = dispatch_thread < num_pairs ? topk_idx[dispatch_thread] : -1;
-        uint32_t push_row = kNoPush;  // dst rank << 24 | owner's pool row, when pushed
-        for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads)
-            smem_count[e] = 0;
-        ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-        if (expert >= kNumExperts) {
-            fail(p, kPhaseBadTopkIdx, kNumExperts, static_cast<uint64_t>(expert), dispatch_thread);
-        } else if (expert >= 0) {
-            const uint32_t dst_rank = static_cast<uint32_t>(expert) / kNumExpertsPerRank;
-            const uint32_t local_expert = static_cast<uint32_t>(expert) % kNumExpertsPerRank;
-            const uint32_t slot = atomicAdd(smem_count + expert, 1u);
-            if (slot >= kNumMaxTokens) {
-                fail(p, kPhaseTooManyPairs, kNumMaxTokens, slot, static_cast<uint32_t>(expert));
-            } else {
-                int32_t* dst = src_table + (static_cast<uint64_t>(local_expert) * kNumRanks + p.rank) * kNumMaxTokens + slot;
-                *map_to_rank(p, dst, dst_rank) = static_cast<int32_t>(dispatch_thread);
-                if (slot < kDirectRowsPerSrc)
-                    push_row = dst_rank << 24 | (local_expert * kBlockM + p.rank * kDirectRowsPerSrc + slot);
-            }
-        }
-        if (dispatch_thread < num_pairs)
-            smem_push[dispatch_thread] = push_row;
-        ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
-        for (uint32_t e = dispatch_thread; e < kNumExperts; e += kNumDispatchThreads) {
-            const uint32_t n = smem_count[e];
-            if (n != 0)
-                *map_to_rank(p, recv_count + e % kNumExpertsPerRank, e / kNumExpertsPerRank) = n;
-        }
+        if (blockIdx.x == 0)
+            count_in_shared_memory(p, topk_idx, recv_count, src_table, num_pairs, dispatch_thread, smem_count);
         if (direct_pool_enabled(p))
-            push_rows(p, smem_push, num_pairs, dispatch_thread / 32, dispatch_thread % 32);
+            push_rows(p, topk_idx, num_pairs, dispatch_thread / 32, dispatch_thread % 32);
         return;
     }
     const uint32_t stride = gridDim.x * kNumDispatchThreads;
@@ -267,10 +297,6 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
     const uint8_t* x = at<uint8_t>(p, p.off_x);
     const float* x_sf = at<float>(p, p.off_x_sf);
     const float* topk_weights = at<float>(p, p.off_topk_weights);
-    uint8_t* pool = at<uint8_t>(p, p.off_l1_pool);
-    float* pool_sf = at<float>(p, p.off_l1_pool_sf);
-    float* pool_weights = at<float>(p, p.off_l1_pool_weights);
-    int4* pool_meta = at<int4>(p, p.off_pool_src_meta);
     uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
 
 #ifdef MEGAMOE_EXP_PULL1  // diagnostic: one pulling warp per CTA instead of kNumDispatchWarps
@@ -298,12 +324,11 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
         const uint32_t token = static_cast<uint32_t>(pair) / kNumTopk;
         const uint32_t k = static_cast<uint32_t>(pair) % kNumTopk;
 
-        copy_pair_row(p, map_to_rank(p, x + static_cast<uint64_t>(token) * kHidden, src),
+        copy_pair_row<4>(p, map_to_rank(p, x + static_cast<uint64_t>(token) * kHidden, src),
                       map_to_rank(p, x_sf + static_cast<uint64_t>(token) * (kHidden / 128), src),
                       map_to_rank(p, topk_weights + pair, src),
-                      make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(k), 0),
-                      pool + static_cast<uint64_t>(pool_row) * kHidden, pool_sf + pool_row, pool_weights + pool_row,
-                      pool_meta + pool_row, lane);
+                      make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(k), 0), pool_row, 0, 0,
+                      kHidden / 16, true, lane);
         ptx::fence_proxy_async_global();
         __syncwarp();
         if (lane == 0) {

@@ -27,8 +27,6 @@ struct SharedStorage {
     Schedule schedule;
     // Pairs per expert of a call small enough for CTA 0 to count alone (dispatch_count)
     uint32_t send_count[kNumExperts];
-    // Per pair of such a call: the owner's rank << 24 | direct-pool row it is pushed to, or kNoPush
-    uint32_t push_rows[kNumDispatchThreads];
     MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
 };
 

@@ -72,19 +72,20 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     Schedule& s = ss.schedule;
 
-    dispatch_count(p, s.epoch, dispatch_thread, ss.send_count, ss.push_rows);
+    dispatch_count(p, s.epoch, dispatch_thread, ss.send_count);
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
     if (dispatch_thread == 0) {
         MEGAMOE_PROF(const uint64_t prof_t0 = clock64(); MEGAMOE_PROF_ADD(kProfDispatchCount, prof_t0 - ss.prof[2][4]);)
-        // Working CTAs: those with pairs to count (kNumDispatchThreads pairs per CTA) or inputs
-        // to copy (copy_given_inputs: x is the largest copy, 16 bytes per thread; CTA 0 always).
+        // Working CTAs: those with pairs to count (kNumDispatchThreads pairs per CTA), rows to
+        // push (a small call on the direct pool: push_rows) or inputs to copy
+        // (copy_given_inputs: x is the largest copy, 16 bytes per thread; CTA 0 always).
         static_assert(kNumTopk * 8 <= kHidden, "x must be the largest input copy (working CTAs)");
-        const uint32_t pair_ctas = ceil_div(static_cast<uint32_t>(p.num_tokens) * kNumTopk, kNumDispatchThreads);
+        const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;
+        const bool pushed = num_pairs <= kNumDispatchThreads && direct_pool_enabled(p);
+        const uint32_t pair_ctas = max(ceil_div(num_pairs, kNumDispatchThreads), pushed ? push_ctas(num_pairs) : 0u);
         const uint32_t copy_ctas =
             p.in_x != 0 ? ceil_div(static_cast<uint32_t>(p.num_tokens) * (kHidden / 16), kNumThreads) : 0;
         const uint32_t working = max(1u, min(gridDim.x, max(pair_ctas, copy_ctas)));
-        // Pushed: CTA 0 of a small call copied its rows into the owners' direct pools.
-        const bool pushed = static_cast<uint32_t>(p.num_tokens) * kNumTopk <= kNumDispatchThreads && direct_pool_enabled(p);
         s.direct = count_exchange(p, grid_sync + (s.epoch & 1), working, pushed) == kNumRanks;
         MEGAMOE_PROF_ADD(kProfDispatchExchange, clock64() - prof_t0);
     }
