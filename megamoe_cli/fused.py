@@ -530,7 +530,7 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
     tail = launch_tail(buf, l1, l2)
     params = bytes(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m, config.cluster_m), buf.buffer.data_ptr(),
                                    buf.peer_deltas, buf.layout, tail))
-    # A persistent grid: every CTA must be resident at once (the kernel has grid barriers).
+    # A persistent grid: every CTA must be resident at once (the kernel's exchange and combine barrier wait for all).
     num_sms = config.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
     if config.cluster_m > 1:
         resident = kernel.function.max_active_clusters(NUM_THREADS, kernel.smem_bytes, config.cluster_m)

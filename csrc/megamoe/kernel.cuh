@@ -2,10 +2,11 @@
 //   all threads   inputs given by address: copied into the symmetric buffer before the split
 //                 (the profile's consumer start slot includes it)
 //   warp 0        TMA producer for both GEMMs
-//   warps 1-3     dispatch: count (into the owners' counters) -> exchange -> schedule -> pull
+//   warps 1-3     dispatch: count (into the owners' counters; small calls also push their rows
+//                 into the owners' direct pools) -> exchange -> schedule -> pull (not on the direct pool)
 //   warpgroups 1-2  WGMMA consumers: L1 + SwiGLU, L2 + combine push; then barrier,
 //                 cleanup and the top-k reduce into y
-// One CTA per SM, all co-resident (the grid barriers need it).
+// One CTA per SM, all co-resident (the exchange and the combine barrier wait for every CTA).
 #pragma once
 #include "combine.cuh"
 #include "gemm.cuh"
@@ -181,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         ptx::fence_mbarrier_init();
         ptx::fence_proxy_async_shared();
         // Every CTA's copy: its rank waits need it.  Block 0 advances it only at the very end,
-        // after the combine grid barrier that every CTA reaches after reading it here.
+        // after the combine barrier that every CTA reaches after reading it here.
         ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[4];
         MEGAMOE_TRACE(kTraceCtaStart, ss.schedule.epoch, 0, 0);
         ptx::tma_prefetch_desc(&p.tmap_l1_a);
