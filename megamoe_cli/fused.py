@@ -63,7 +63,7 @@ _PHASES = {
     3: "L1 arrival (rows pulled into the pool)",
     4: "L2 arrival (the L1 tile that writes an L2 K block's columns; index: pool block, expected: that "
        "K block, observed: the block's ready bits of its word)",
-    5: "combine barrier (grid)",
+    5: "combine barrier (this rank's CTAs; expected/observed: its flag)",
     6: "combine barrier (ranks)",
     7: "TMA/WGMMA pipeline",
     8: "topk_idx out of range",

@@ -286,7 +286,7 @@ def smem_bytes(variant: Variant) -> int:
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
     barriers = 16 * variant.num_stages + 16 * variant.num_stages + 16  # full/empty, stage_tile (uint4) + alignment
     tile_slots = 8 * (variant.num_stages + 2)  # the cluster leader's tile forwards (kTileSlots)
-    schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8
+    schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8 + 8  # + epoch, direct
     send_count = 4 * variant.shape.num_experts  # small calls count their pairs in shared memory
     profile = 3 * 12 * 8  # cycle counters of profiling builds
     return stages + staging + barriers + tile_slots + schedule + send_count + profile + 1024 + 256  # alignment slack

@@ -194,8 +194,9 @@ class BufferLayout:
 # kernel; "peer r" = rank r's kernel writing through NVLink.
 _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
     "grid_sync": (
-        "local CTAs (atomic add, release); [0,1] also peer r (red.release.sys)",
-        "local CTAs (acquire spin)",
+        "local CTAs: [0,1] red.release.sys, also from peer r; [2] atom.add.acq_rel, reset by the last "
+        "arriver; [4] CTA 0 at the end; [5] atomic adds",
+        "local CTAs: [0,1] acquire spin; [2] the add's return value; [4] every CTA at start; [5] the adds",
         "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
         "adds; zeroed by the owner's cleanup phase), [2] combine-barrier arrivals (acq_rel add per "
         "CTA; the last arriver returns it to 0 and signals the ranks), [3] unused, [4] call epoch (grows), [5] tile counter (zeroed by the kernel's "
@@ -233,9 +234,9 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "overwritten every call",
     ),
     "x": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink), or this rank's push (small calls)", "caller"),
-    "x_sf": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink)", "caller"),
-    "topk_idx": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "local count (from the given tensor when given) and reduce", "caller"),
-    "topk_weights": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink)", "caller"),
+    "x_sf": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink), or this rank's push (small calls)", "caller"),
+    "topk_idx": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "local count and push (from the given tensor when given), reduce (its first load before the combine barrier)", "caller"),
+    "topk_weights": ("caller before the call, or the kernel's first phase (inputs given to mega_moe)", "peers' pull (NVLink), or this rank's push (small calls)", "caller"),
     "l1_pool": ("local pull, or peer r's push (small calls: expert e's block is pool block e)", "local L1 GEMM (TMA)", "overwritten every call"),
     "l1_pool_sf": ("local pull or peer r's push", "local L1 GEMM (TMA, M-major)", "overwritten every call"),
     "l1_pool_weights": ("local pull or peer r's push", "local L1 epilogue", "overwritten every call"),

@@ -69,6 +69,11 @@ def main() -> None:
     parser.add_argument("--sleep-s", type=float, default=300.0, help="how long the missing rank sleeps")
     parser.add_argument("--tokens", type=int, default=NUM_TOKENS, help="tokens of the call and of the buffer")
     args = parser.parse_args()
+    if args.tokens < 1:
+        parser.error(f"--tokens must be at least 1, got {args.tokens}")
+    if args.case == "bad_topk" and args.tokens * SHAPE.num_topk <= BAD_PAIR:
+        parser.error(f"bad_topk corrupts pair {BAD_PAIR}: --tokens must be at least "
+                     f"{BAD_PAIR // SHAPE.num_topk + 1}, got {args.tokens}")
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

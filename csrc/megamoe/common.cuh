@@ -89,10 +89,11 @@ static_assert(kNumExperts % kNumRanks == 0, "experts must divide evenly over ran
 static_assert(kNumRanks <= 8, "at most 8 ranks");
 static_assert(kNumTopk <= 32, "at most 32 top-k slots");
 
-// Direct pool (small calls): when every rank has at most kNumDispatchThreads pairs, each
-// rank's CTA 0 pushes its rows straight into the owners' pools before the count exchange, at
-// fixed rows: expert e's block is pool block e, and source rank r's rows of it are rows
-// [r * kDirectRowsPerSrc, (r + 1) * kDirectRowsPerSrc).  The owner then runs its tiles with no
+// Direct pool (small calls): when every rank has at most kNumDispatchThreads pairs, each rank
+// pushes its rows straight into the owners' pools before the count exchange (from many CTAs:
+// push_rows), at fixed rows: expert e's block is pool block e, and source rank r's rows of it
+// are rows [r * kDirectRowsPerSrc, (r + 1) * kDirectRowsPerSrc) (64 / ranks, rounded down: with
+// 3, 5, 6 or 7 ranks the block's last rows belong to no rank).  The owner then runs its tiles with no
 // pull, provided no (expert, source) pair count exceeds kDirectRowsPerSrc (else it pulls as
 // usual and ignores the pushed rows).  block_m 64 without clusters only (0: never).
 constexpr uint32_t kDirectRowsPerSrc = (kBlockM == 64 && kClusterM == 1) ? kBlockM / kNumRanks : 0;

@@ -39,11 +39,12 @@ struct Schedule {
         return min(kBlockM, expert_count[expert] - first);
     }
     // Whether row `row` of expert e's direct-pool block holds a pair: source rank
-    // row / kDirectRowsPerSrc pushed that many rows of it.
+    // row / kDirectRowsPerSrc pushed that many rows of it.  When the ranks do not divide 64, the
+    // block's last rows belong to no rank (src == kNumRanks) and hold none.
     __device__ __forceinline__ bool direct_row_valid(uint32_t expert, uint32_t row) const {
         constexpr uint32_t kRows = kDirectRowsPerSrc > 0 ? kDirectRowsPerSrc : 1;  // (unused without it)
         const uint32_t src = row / kRows;
-        return row % kRows < src_start[expert][src + 1] - src_start[expert][src];
+        return src < kNumRanks && row % kRows < src_start[expert][src + 1] - src_start[expert][src];
     }
 };
 

@@ -165,11 +165,17 @@ def test_graph_backend_replays_the_eager_result(group):
         assert torch.equal(y, eager)
 
 
-# Calls of at most 96 pairs per rank (24 tokens at top-4) run on the direct pool: every rank
-# pushes its rows into the owners' pool blocks before the count exchange and nothing is pulled,
-# unless some rank is larger or some (expert, source rank) count exceeds 64 / world rows; then
-# the owners pull as usual and ignore what was pushed.  A token may name an expert in several
-# of its slots, so 24 tokens naming expert 0 in all 4 exceed the direct rows at any world size.
+# Calls of at most 96 pairs per rank (24 tokens at top-4) run on the direct pool (block_m 64
+# without clusters: forced here, the heuristic picks block_m 128 for this buffer at 2 ranks and
+# up): every rank pushes its rows into the owners' pool blocks before the count exchange and
+# nothing is pulled, unless some rank is larger ("fallback_one_large_rank": the others push, the
+# owners pull over what they pushed; at one rank a plain 60-token call) or some (expert, source
+# rank) count exceeds 64 / world rows; then the owners pull as usual and ignore the pushed rows.
+# A token may name an expert in several of its slots, so 24 tokens naming expert 0 in all 4
+# exceed the direct rows at any world size.  Inputs: already in the buffer (buf.fill; the count
+# and the pushes read the buffer), or given by address over a poisoned buffer
+# ("direct_given_inputs"; the kernel's own copy overwrites the poison during the call, so a push
+# that read the buffer instead shows up only when it wins that race).
 @pytest.mark.parametrize("case", ["direct", "direct_given_inputs", "fallback_repeated_expert", "fallback_one_large_rank"])
 def test_small_calls_direct_pool_and_its_fallbacks(group, case):
     rank, world = rank_and_world(group)
@@ -179,22 +185,24 @@ def test_small_calls_direct_pool_and_its_fallbacks(group, case):
         problem = make_problem(SMALL, rank, world, num_tokens - i, 128, "cuda", seed + i)
         if case == "fallback_repeated_expert":
             problem.topk_idx.fill_(0)
+        runner = FusedBackend().prepare(problem, group, {"block_m": 64, "cluster_m": 1})
+        assert (runner.config["block_m"], runner.config["cluster_m"]) == (64, 1)
+        buf, y = runner.buf, runner.y
+        given = (problem.x, problem.x_sf, problem.topk_idx, problem.topk_weights)
         if case == "direct_given_inputs":
-            runner = FusedBackend().prepare(problem, group, {})
-            buf = runner.buf
-            buf.x.view(torch.uint8).fill_(0x7E)  # poison: the pushes must read the given inputs
+            buf.x.view(torch.uint8).fill_(0x7E)
             buf.x_sf.fill_(1.0e3)
             buf.topk_weights.fill_(float("nan"))
-            runner.y.fill_(float("nan"))
-            if group is not None:
-                torch.distributed.barrier(group=group)
-            mega_moe(runner.y, runner.l1, runner.l2, buf, config=runner.kernel_cfg, x=problem.x,
-                     x_sf=problem.x_sf, topk_idx=problem.topk_idx, topk_weights=problem.topk_weights)
-            synchronize(buf)
-            y = runner.y.clone()
+            inputs = dict(zip(("x", "x_sf", "topk_idx", "topk_weights"), given))
         else:
-            _, y = run_fused(problem, group)
-        check_against_reference(problem, group, y)
+            buf.fill(*given)
+            inputs = {}
+        y.fill_(float("nan"))
+        if group is not None:
+            torch.distributed.barrier(group=group)  # every rank's inputs and poison in place first
+        mega_moe(y, runner.l1, runner.l2, buf, config=runner.kernel_cfg, **inputs)
+        synchronize(buf)
+        check_against_reference(problem, group, y.clone())
 
 
 def test_changing_routing_between_calls(group):
