@@ -54,6 +54,20 @@ __device__ __forceinline__ bool direct_pool_enabled(const Params& p) {
     return kDirectRowsPerSrc > 0 && p.num_max_pool_tokens >= kNumExpertsPerRank * kBlockM;
 }
 
+// A small call: at most kNumDispatchThreads pairs, counted by CTA 0 in shared memory.
+__device__ __forceinline__ uint32_t num_call_pairs(const Params& p) { return static_cast<uint32_t>(p.num_tokens) * kNumTopk; }
+__device__ __forceinline__ bool small_call(const Params& p) { return num_call_pairs(p) <= kNumDispatchThreads; }
+// Whether this rank pushes its rows into the owners' direct pools this call (dispatch_count).
+__device__ __forceinline__ bool pushes_rows(const Params& p) { return small_call(p) && direct_pool_enabled(p); }
+
+// An input given by address (mega_moe(..., x=...)), else the buffer's copy of it.  The count and
+// the pushes read it there: the other CTAs' copies into the buffer are not visible before the
+// count exchange.
+template <typename T>
+__device__ __forceinline__ const T* call_input(const Params& p, uint64_t given, uint64_t offset) {
+    return given != 0 ? reinterpret_cast<const T*>(given) : at<T>(p, offset);
+}
+
 // Receive counters of one call: [parity][source rank][local expert] in the owner's buffer;
 // calls alternate between the two halves by the parity of their epoch.
 __device__ __forceinline__ uint32_t* recv_counts(const Params& p, uint64_t epoch) {
@@ -103,13 +117,11 @@ __device__ __forceinline__ void copy_pair_row(const Params& p, const uint8_t* sr
 // per pair, anywhere in the grid (warp u: pair u / kPushParts, part u % kPushParts of its row),
 // so each part is one batch of loads in flight (two per lane: the dispatch warps' 56 registers)
 // and no SM copies more than a few parts (one CTA copying every row took longer than the pull
-// it replaced: 2-55 us more at 1-12 tokens).  A
-// pair's slot is its rank among this rank's pairs of the same expert, in pair order (a ballot
-// over topk_idx), so the slots of an expert are 0 .. count - 1 like dispatch_count's.  Only
-// slots below kDirectRowsPerSrc are pushed; CTA 0's count checks the experts and traps on bad
-// ones.  Inputs given by address are read there (the other CTAs' copies into the buffer are not
-// visible before the exchange).  The generic->async proxy fence: the owners' producers read the
-// rows with TMA after the exchange.
+// it replaced: 2-55 us more at 1-12 tokens).  A pair's slot is its rank among this rank's
+// pairs of the same expert, in pair order (a ballot over topk_idx), so the slots of an expert
+// are 0 .. count - 1 like dispatch_count's.  Only slots below kDirectRowsPerSrc are pushed;
+// CTA 0's count checks the experts and traps on bad ones.  The generic->async proxy fence
+// mirrors the pull's: the owners' producers read the rows with TMA after the exchange.
 constexpr uint32_t kPushParts = 8;
 
 constexpr uint32_t kPushBatch = 2;
@@ -124,14 +136,11 @@ __device__ __forceinline__ void push_rows(const Params& p, const int64_t* topk_i
     constexpr uint32_t kVecs = kHidden / 16;
     constexpr uint32_t kPartVecs = (kVecs + kPushParts - 1) / kPushParts;
     constexpr uint32_t kPairChunks = (kNumDispatchThreads + 31) / 32;
-    const uint8_t* x = p.in_x != 0 ? reinterpret_cast<const uint8_t*>(p.in_x) : at<uint8_t>(p, p.off_x);
-    const float* x_sf = p.in_x_sf != 0 ? reinterpret_cast<const float*>(p.in_x_sf) : at<float>(p, p.off_x_sf);
-    const float* topk_weights = p.in_topk_weights != 0 ? reinterpret_cast<const float*>(p.in_topk_weights)
-                                                       : at<float>(p, p.off_topk_weights);
-    const uint32_t first = blockIdx.x * kNumDispatchWarps + warp, stride = gridDim.x * kNumDispatchWarps;
-    if (first >= num_pairs * kPushParts)
-        return;
-    for (uint32_t u = first; u < num_pairs * kPushParts; u += stride) {
+    const uint8_t* x = call_input<uint8_t>(p, p.in_x, p.off_x);
+    const float* x_sf = call_input<float>(p, p.in_x_sf, p.off_x_sf);
+    const float* topk_weights = call_input<float>(p, p.in_topk_weights, p.off_topk_weights);
+    const uint32_t stride = gridDim.x * kNumDispatchWarps;
+    for (uint32_t u = blockIdx.x * kNumDispatchWarps + warp; u < num_pairs * kPushParts; u += stride) {
         const uint32_t j = u / kPushParts, part = u % kPushParts;
         const int64_t e = topk_idx[j];
         if (e < 0 || e >= kNumExperts)
@@ -199,17 +208,14 @@ __device__ __forceinline__ void count_in_shared_memory(const Params& p, const in
 // exchange tells the owners (count_exchange) and they decide whether to use it (build_schedule).
 __device__ __forceinline__ void dispatch_count(const Params& p, uint64_t epoch, uint32_t dispatch_thread,
                                                uint32_t* smem_count) {
-    // Inputs given by address are read there: the other CTAs' copies into the buffer are
-    // not visible before the count exchange.
-    const int64_t* topk_idx = p.in_topk_idx != 0 ? reinterpret_cast<const int64_t*>(p.in_topk_idx)
-                                                 : at<int64_t>(p, p.off_topk_idx);
+    const int64_t* topk_idx = call_input<int64_t>(p, p.in_topk_idx, p.off_topk_idx);
     uint32_t* recv_count = recv_counts(p, epoch) + p.rank * kNumExpertsPerRank;
     int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
-    const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;
-    if (num_pairs <= kNumDispatchThreads) {
+    const uint32_t num_pairs = num_call_pairs(p);
+    if (small_call(p)) {
         if (blockIdx.x == 0)
             count_in_shared_memory(p, topk_idx, recv_count, src_table, num_pairs, dispatch_thread, smem_count);
-        if (direct_pool_enabled(p))
+        if (pushes_rows(p))
             push_rows(p, topk_idx, num_pairs, dispatch_thread / 32, dispatch_thread % 32);
         return;
     }

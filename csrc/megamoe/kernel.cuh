@@ -81,8 +81,8 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
         // push (a small call on the direct pool: push_rows) or inputs to copy
         // (copy_given_inputs: x is the largest copy, 16 bytes per thread; CTA 0 always).
         static_assert(kNumTopk * 8 <= kHidden, "x must be the largest input copy (working CTAs)");
-        const uint32_t num_pairs = static_cast<uint32_t>(p.num_tokens) * kNumTopk;
-        const bool pushed = num_pairs <= kNumDispatchThreads && direct_pool_enabled(p);
+        const uint32_t num_pairs = num_call_pairs(p);
+        const bool pushed = pushes_rows(p);
         const uint32_t pair_ctas = max(ceil_div(num_pairs, kNumDispatchThreads), pushed ? push_ctas(num_pairs) : 0u);
         const uint32_t copy_ctas =
             p.in_x != 0 ? ceil_div(static_cast<uint32_t>(p.num_tokens) * (kHidden / 16), kNumThreads) : 0;
