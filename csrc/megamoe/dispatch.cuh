@@ -339,8 +339,8 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
         ptx::fence_proxy_async_global();
         __syncwarp();
         if (lane == 0) {
-            __threadfence();
-            ptx::red_release_gpu_add_u32(l1_arrival + pool_row / kBlockM, 1);
+            __threadfence();  // with the relaxed add below: a release pattern (ptx.cuh)
+            ptx::red_relaxed_gpu_add_u32(l1_arrival + pool_row / kBlockM, 1);
         }
     }
 }

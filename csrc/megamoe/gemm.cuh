@@ -480,8 +480,8 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
     ptx::fence_proxy_async_global();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     if (tid % kNumConsumerThreads == 0) {
-        __threadfence();
-        ptx::red_release_gpu_or_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block * kL2ReadyWords + tile.n / 32,
+        __threadfence();  // with the relaxed OR below: a release pattern (ptx.cuh)
+        ptx::red_relaxed_gpu_or_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block * kL2ReadyWords + tile.n / 32,
                                     1u << (tile.n % 32));
     }
 }
