@@ -194,8 +194,8 @@ class BufferLayout:
 # kernel; "peer r" = rank r's kernel writing through NVLink.
 _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
     "grid_sync": (
-        "local CTAs: [0,1] red.release.sys, also from peer r; [2] atom.add.acq_rel, reset by the last "
-        "arriver; [4] CTA 0 at the end; [5] atomic adds",
+        "local CTAs: [0,1] a system fence, then red.relaxed.sys, also from peer r; [2] atom.add.acq_rel, "
+        "reset by the last arriver; [4] CTA 0 at the end; [5] atomic adds",
         "local CTAs: [0,1] acquire spin; [2] the add's return value; [4] every CTA at start; [5] the adds",
         "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
         "adds; zeroed by the owner's cleanup phase), [2] combine-barrier arrivals (acq_rel add per "
@@ -203,7 +203,8 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "cleanup phase)",
     ),
     "rank_flags": (
-        "the last CTA of rank r to reach the combine barrier stores slot r (st.release.sys, monotonic epoch)",
+        "the last CTA of rank r to reach the combine barrier stores slot r (a system fence, then "
+        "st.relaxed.sys; monotonic epoch)",
         "every local CTA (ld.acquire.sys spin, one thread each)",
         "never: values only grow",
     ),
@@ -214,12 +215,12 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "zeroed by the kernel's cleanup phase (the call's parity)",
     ),
     "l1_arrival": (
-        "local pull (red.release.gpu per landed row)",
+        "local pull (a fence, then red.relaxed.gpu per landed row)",
         "local L1 producer (ld.acquire.gpu)",
         "zeroed by the kernel's cleanup phase",
     ),
     "l2_arrival": (
-        "local L1 epilogue (red.release.gpu.or: bit n of a block's words once its L1 N tile n is written)",
+        "local L1 epilogue (a fence, then red.relaxed.gpu.or: bit n of a block's words once its L1 N tile n is written)",
         "local L2 producer (ld.acquire.gpu before each K block: K block n reads L1 N tile n's columns)",
         "zeroed by the kernel's cleanup phase",
     ),

@@ -158,3 +158,32 @@ def test_the_mainloop_microbenchmark_compiles_without_spills_or_serialized_wgmma
     assert len(kernels) == 8, report.summary()  # one per mode
     assert not report.has_spills, report.summary()
     assert not report.serialized_wgmma, report.serialized_wgmma
+
+
+def test_cross_rank_signals_fence_once_then_write_relaxed(tmp_path):
+    """Every system-scope signal is a fence followed by relaxed writes (PTX release patterns).
+
+    A ``.release.sys`` write compiles to its own MEMBAR, so a thread signalling every rank waited
+    a full NVLink round trip for its write to a peer before writing to its own rank (notes entry
+    56: 3-4 us per call at 1-128 tokens/rank).  The GPU-scope releases follow the same rule.
+    """
+    import re
+    import subprocess
+
+    from megamoe_cli.jit.build import find_nvcc
+
+    variant = Variant(PRESETS["deepseek-v3"], 2, 4096, 64, 4, 1)
+    source = tmp_path / "kernel.cu"
+    source.write_text(generate_source(variant))
+    ptx = tmp_path / "kernel.ptx"
+    result = subprocess.run(
+        [find_nvcc(), "-ptx", "-O3", "-std=c++17", "-arch=sm_90a", "-I", str(csrc_dir()), "-o", str(ptx), str(source)],
+        capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = ptx.read_text()
+    assert re.findall(r"\b(?:st|red|atom)\.release\.(?:sys|gpu)\b[^\n]*", text) == []
+    # the count exchange's adds, the combine barrier's signals, the ready bits and arrivals
+    for op in ("red.relaxed.sys.global.add.u64", "st.relaxed.sys.global.u64", "red.relaxed.gpu.global.or.b32",
+               "red.relaxed.gpu.global.add.u32"):
+        assert op in text, op
+    assert "membar.sys" in text or "fence.sc.sys" in text  # __threadfence_system

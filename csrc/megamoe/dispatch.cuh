@@ -296,8 +296,9 @@ __device__ __forceinline__ void build_schedule(const Params& p, Schedule& s, uin
 
 // Phase 4: pull rows.  Global dispatch warp `w` handles received rows w, w + W, ... in
 // expert-major order, so pool blocks fill roughly in the order the GEMM consumes them.
-// NOTES: each landed row is published with a release add on its block's arrival
-// counter after a generic->async proxy fence, because the GEMM reads the pool via TMA.
+// NOTES: each landed row is published with a fence and a relaxed add (a release pattern) on
+// its block's arrival counter after a generic->async proxy fence, because the GEMM reads the
+// pool via TMA.
 __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s, uint32_t dispatch_warp,
                                               uint32_t lane) {
     const int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);

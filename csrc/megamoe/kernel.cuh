@@ -50,7 +50,7 @@ __device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, uin
 // Inputs given by address (mega_moe(..., x=..., x_sf=..., topk_idx=..., topk_weights=...)): the
 // whole grid copies this call's rows into the buffer before the roles split, instead of a
 // separate copy before the launch.  The block barrier after it and the count exchange (a
-// system fence, then release adds that every peer acquires) publish the copies to the peers
+// system fence, then relaxed adds that every peer acquires) publish the copies to the peers
 // that pull from them, the same chain that publishes the count phase's remote writes.
 __device__ __forceinline__ void copy_given_inputs(const Params& p) {
     const uint64_t n = p.num_tokens;
