@@ -199,8 +199,8 @@ _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
         "local CTAs: [0,1] acquire spin; [2] the add's return value; [4] every CTA at start; [5] the adds",
         "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
         "adds; zeroed by the owner's cleanup phase), [2] combine-barrier arrivals (acq_rel add per "
-        "CTA; the last arriver returns it to 0 and signals the ranks), [3] unused, [4] call epoch (grows), [5] tile counter (zeroed by the kernel's "
-        "cleanup phase)",
+        "CTA; the last arriver signals the ranks, then returns it to 0), [3] unused, [4] call epoch "
+        "(grows), [5] tile counter (zeroed by the kernel's cleanup phase)",
     ),
     "rank_flags": (
         "the last CTA of rank r to reach the combine barrier stores slot r (a system fence, then "

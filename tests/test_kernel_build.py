@@ -6,6 +6,7 @@ index arithmetic, so one capacity stands for all).  Builds go through the JIT (n
 content-hashed cache), so a rerun only pays for what changed.
 """
 
+import re
 import shutil
 
 import pytest
@@ -160,14 +161,71 @@ def test_the_mainloop_microbenchmark_compiles_without_spills_or_serialized_wgmma
     assert not report.serialized_wgmma, report.serialized_wgmma
 
 
-def test_cross_rank_signals_fence_once_then_write_relaxed(tmp_path):
-    """Every system-scope signal is a fence followed by relaxed writes (PTX release patterns).
+# A signalling write (a relaxed red, or a relaxed system-scope store; the combine barrier's
+# counter reset, st.relaxed.gpu, publishes nothing) must follow a fence of at least its scope on
+# the same straight-line path (no label, branch, call or barrier between): the fence and the write
+# then form a PTX release pattern.
+_SIGNAL = re.compile(r"^\s*(?:red\.relaxed\.(sys|gpu)|st\.relaxed\.(sys))\.")
+_FENCES = {
+    "sys": re.compile(r"^\s*(?:membar\.sys|fence\.(?:sc|acq_rel)\.sys)\s*;"),
+    "gpu": re.compile(r"^\s*(?:membar\.(?:sys|gl)|fence\.(?:sc|acq_rel)\.(?:sys|gpu))\s*;"),
+}
+_PATH_BREAK = re.compile(r"^\s*(?:\$?[\w.]+:|(?:@!?%\w+\s+)?(?:bra|ret|call|exit|bar|barrier)\b)")
+# Release writes and RMWs compile to their own MEMBAR each; the combine barrier's one acq_rel add
+# per CTA is the exception (it also acquires the earlier adds).
+_RELEASE = re.compile(r"^\s*(?:st|red|atom)(?:\.\w+)*?\.(?:release|acq_rel)(?:\.\w+)*?\.(?:sys|gpu)\b[^\n]*", re.MULTILINE)
+_ALLOWED_RELEASE = ("atom.add.acq_rel.gpu.global.u64",)
 
-    A ``.release.sys`` write compiles to its own MEMBAR, so a thread signalling every rank waited
-    a full NVLink round trip for its write to a peer before writing to its own rank (notes entry
-    56: 3-4 us per call at 1-128 tokens/rank).  The GPU-scope releases follow the same rule.
+
+def unfenced_signals(ptx: str):
+    """(line number, text) of every signalling write with no fence of its scope before it."""
+    lines = ptx.splitlines()
+    bad = []
+    for i, line in enumerate(lines):
+        m = _SIGNAL.match(line)
+        if not m:
+            continue
+        scope = m.group(1) or m.group(2)
+        j = i - 1
+        while j >= 0 and not _FENCES[scope].match(lines[j]) and not _PATH_BREAK.match(lines[j]):
+            j -= 1
+        if j < 0 or not _FENCES[scope].match(lines[j]):
+            bad.append((i + 1, line.strip()))
+    return bad
+
+
+def release_writes(ptx: str):
+    return [m.group(0).strip() for m in _RELEASE.finditer(ptx)
+            if not m.group(0).strip().startswith(_ALLOWED_RELEASE)]
+
+
+def test_the_signal_checks_catch_a_missing_fence_and_a_release_write():
+    fenced = "\tmembar.sys;\n\tld.param.u64 \t%rd1, [%rd2+8];\n\t// begin inline asm\n" \
+             "\tred.relaxed.sys.global.add.u64 [%rd1], %rd3;\n\t// end inline asm\n" \
+             "\tred.relaxed.sys.global.add.u64 [%rd4], %rd3;\n"
+    assert unfenced_signals(fenced) == []
+    assert len(unfenced_signals(fenced.replace("membar.sys", "membar.gl"))) == 2  # a GPU fence is not enough
+    assert len(unfenced_signals(fenced.replace("\tmembar.sys;\n", ""))) == 2
+    assert len(unfenced_signals(fenced.replace("\t// end inline asm\n", "$L__BB0_7:\n"))) == 1  # a label between
+    assert len(unfenced_signals(fenced.replace("\t// begin inline asm\n", "\t@%p3 bra \t$L__BB0_9;\n"))) == 2
+    assert unfenced_signals("\tmembar.gl;\n\tred.relaxed.gpu.global.or.b32 [%rd1], %r2;\n") == []
+    assert unfenced_signals("$L__BB0_1:\n\tst.relaxed.sys.global.u64 [%rd1], %rd2;\n") != []
+    assert unfenced_signals("\tst.relaxed.gpu.global.u64 [%rd1], %rd2;\n") == []  # a reset, not a signal
+    assert release_writes("\tred.add.release.sys.global.u64 [%rd1], %rd2;\n") != []
+    assert release_writes("\tst.release.gpu.global.u32 [%rd1], %r2;\n") != []
+    assert release_writes("\tatom.acq_rel.sys.global.add.u64 %rd0, [%rd1], %rd2;\n") != []
+    assert release_writes("\tatom.add.acq_rel.gpu.global.u64 %rd0, [%rd1], %rd2;\n") == []
+    assert release_writes("\tld.acquire.sys.global.u64 %rd0, [%rd1];\n") == []
+    assert release_writes("\tmembar.sys;\n\t// begin inline asm\n\tred.or.release.gpu.global.b32 [%rd1], %r2;\n") != []
+
+
+def test_cross_rank_signals_fence_once_then_write_relaxed(tmp_path):
+    """Every system- and GPU-scope signal is a fence followed by relaxed writes (PTX release patterns).
+
+    A ``.release`` write compiles to its own MEMBAR, so a thread signalling every rank waited a
+    full NVLink round trip for its write to a peer before writing to its own rank (notes entry
+    56: 2-4 us per call at 1-128 tokens/rank, back to back).
     """
-    import re
     import subprocess
 
     from megamoe_cli.jit.build import find_nvcc
@@ -181,9 +239,9 @@ def test_cross_rank_signals_fence_once_then_write_relaxed(tmp_path):
         capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     text = ptx.read_text()
-    assert re.findall(r"\b(?:st|red|atom)\.release\.(?:sys|gpu)\b[^\n]*", text) == []
+    assert release_writes(text) == []
+    assert unfenced_signals(text) == []
     # the count exchange's adds, the combine barrier's signals, the ready bits and arrivals
     for op in ("red.relaxed.sys.global.add.u64", "st.relaxed.sys.global.u64", "red.relaxed.gpu.global.or.b32",
                "red.relaxed.gpu.global.add.u32"):
         assert op in text, op
-    assert "membar.sys" in text or "fence.sc.sys" in text  # __threadfence_system

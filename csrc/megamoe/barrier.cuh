@@ -8,8 +8,9 @@ namespace megamoe {
 // (its atomics on the owners' receive counters, or its stores of the final counts, and its
 // stores into their tables and direct pools are done) and its inputs copied by one add (a
 // system fence, then relaxed adds: release patterns) on every rank's `arrivals` word, and
-// every CTA waits until its own word says that every working CTA of every rank has.  One add carries a CTA (bits 0-19); CTA 0's also carries its
-// rank's number of working CTAs (bits 20-39), its rank (bits 40-47) and, when the rank pushed
+// every CTA waits until its own word says that every working CTA of every rank has.  One add
+// carries a CTA (bits 0-19); CTA 0's also carries its rank's number of working CTAs (bits
+// 20-39), its rank (bits 40-47) and, when the rank pushed
 // its rows into the owners' direct pools (dispatch_count), a push (bits 48-55), so no rank
 // needs the others' counts: the exchange is complete once every rank is announced and the CTAs
 // equal the announced numbers.  Returns the number of ranks that pushed.
@@ -53,8 +54,8 @@ __device__ __forceinline__ uint32_t count_exchange(const Params& p, uint64_t* ar
 // slot for this rank.  Values only grow (epoch * 4 + barrier index), so a fast peer already
 // at a later barrier also passes a wait for this one.
 // NOTES: the system-scope fence before the relaxed stores (release patterns, one fence for all
-// of them) orders every remote and local write this thread made or acquired; a CTA that acquires every rank's flag, its own rank's
-// included, sees all of them.
+// of them) orders every remote and local write this thread made or acquired; a CTA that
+// acquires every rank's flag, its own rank's included, sees all of them.
 __device__ __forceinline__ void rank_signal(const Params& p, uint64_t value) {
     uint64_t* flags = at<uint64_t>(p, p.off_rank_flags);
     __threadfence_system();

@@ -475,7 +475,8 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
         pool_sf[r0 + 8] = sf[1];
     }
     // NOTES: the L2 producer reads these columns with TMA (async proxy) after acquiring the
-    // block's ready bit of this N tile, so every writer fences the proxies before the release.
+    // block's ready bit of this N tile, so every writer fences the proxies before the block
+    // barrier, the fence and the relaxed OR that publish the tile (a release pattern).
     MEGAMOE_PROF(if (tid % 128 == 0) ss.prof[slice.wg][7] = clock64();)
     ptx::fence_proxy_async_global();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
