@@ -43,6 +43,9 @@ def main() -> None:
                          "which includes the ranks' launch skew; 20: the steady state of a decode loop)")
     ap.add_argument("--b2b", action="store_true",
                     help="also the kernel's device time per call with 20 calls back to back (no host gaps or barriers)")
+    ap.add_argument("--b2b-given", action="store_true",
+                    help="with --b2b: also 20 calls back to back with the inputs given to mega_moe (the kernel copies "
+                         "them into the buffer, as a graph-replayed decode step does), so the input copy is timed too")
     ap.add_argument("--host", action="store_true",
                     help="also the host's cost per call (no device syncs in between): the kernel launch, the eager "
                          "layer call (one launch with the inputs given), a buf.fill input copy for comparison "
@@ -52,6 +55,8 @@ def main() -> None:
         ap.error(f"--profile-calls must be at least 1, got {args.profile_calls}")
     if args.trace and not args.profile:
         ap.error("--trace needs --profile (the timeline comes from the profiling build)")
+    if args.b2b_given and not args.b2b:
+        ap.error("--b2b-given needs --b2b")
     if args.profile_calls != 1 and not args.profile:
         ap.error("--profile-calls needs --profile (it sets how many calls the cycle counters average)")
     if args.profile:
@@ -118,28 +123,39 @@ def main() -> None:
                     into.append(start.elapsed_time(end) * 1e3)
             us = slowest(statistics.median(times))
             layer_us = slowest(statistics.median(layer_times))
-            if args.b2b:
-                b2b = []
+            def back_to_back(call) -> float:
+                """Median over iters of 20 calls back to back (no host gaps or barriers), per call, slowest rank."""
+                per_call = []
                 for _ in range(args.iters):
                     if world > 1:
                         dist.barrier()
                     synchronize(runner.buf)
-                    mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+                    call()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     for _ in range(20):
-                        mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+                        call()
                     end.record()
                     synchronize(runner.buf)
-                    b2b.append(start.elapsed_time(end) * 1e3 / 20)
-                b2b_us = slowest(statistics.median(b2b))
+                    per_call.append(start.elapsed_time(end) * 1e3 / 20)
+                return slowest(statistics.median(per_call))
+
+            if args.b2b:
+                b2b_us = back_to_back(
+                    lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg))
+            if args.b2b_given:
+                p = runner.problem
+                b2b_given_us = back_to_back(
+                    lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, x=p.x, x_sf=p.x_sf,
+                                     topk_idx=p.topk_idx, topk_weights=p.topk_weights, config=runner.kernel_cfg))
             tflops = pairs * shape.flops_per_pair() / us / 1e6
             gbps = weight_bytes / us / 1e3
             say(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {config.get('cluster_m', 1):>3} {us:>10.1f} "
                 f"{tflops:>8.1f} {gbps:>12.1f}   (floor {weight_bytes / spec.hbm_bytes_per_s * 1e6:.0f} us HBM, "
                 f"{pairs * shape.flops_per_pair() / spec.fp8_flops * 1e6:.0f} us FP8)"
                 + (f"   layer {layer_us:.1f}" if world > 1 else "")
-                + (f"   back to back {b2b_us:.1f}" if args.b2b else ""))
+                + (f"   back to back {b2b_us:.1f}" if args.b2b else "")
+                + (f"   given {b2b_given_us:.1f}" if args.b2b_given else ""))
             if args.host:
                 host = host_costs(runner, problem, world)
                 say("    host us per call (median of 5 x 20 calls, device queue not drained): "
