@@ -7,10 +7,10 @@ namespace megamoe {
 // Warp per token, or per part of a token's row when there are fewer tokens than warps (a
 // warp's steps are dependent round trips: at 1 token the whole row in one warp took ~15 us
 // after every other CTA had finished; notes entry 50).  Each lane owns 8 consecutive channels
-// per chunk and sums kUnroll chunks at once.  Every valid slot's loads of an iteration are issued before any is summed, so
-// kUnroll * top-k 16-byte loads are in flight per lane (the reduce streams the whole
-// combine buffer once and only the consumer warps run it; with the sums between the slots'
-// loads only kUnroll were in flight: notes entry 36).  An invalid slot loads nothing and
+// per chunk and sums kUnroll chunks at once.  Every valid slot's loads of an iteration are
+// issued before any is summed, so kUnroll * top-k 16-byte loads are in flight per lane (the
+// reduce streams the whole combine buffer once and only the consumer warps run it; with the
+// sums between the slots' loads only kUnroll were in flight: notes entry 36).  An invalid slot loads nothing and
 // adds +0, which leaves the FP32 sum (started at +0) exactly as the valid slots make it.
 struct ReduceShape {
     static constexpr uint32_t kChunks = kHidden / 8;
