@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--b2b-given", action="store_true",
                     help="with --b2b: also 20 calls back to back with the inputs given to mega_moe (the kernel copies "
                          "them into the buffer, as a graph-replayed decode step does), so the input copy is timed too")
+    ap.add_argument("--given", action="store_true",
+                    help="every kernel call (timed, back to back and profiled) gets the inputs given to mega_moe, so "
+                         "the kernel copies them into the buffer first, as the layer call and a graph replay do")
     ap.add_argument("--host", action="store_true",
                     help="also the host's cost per call (no device syncs in between): the kernel launch, the eager "
                          "layer call (one launch with the inputs given), a buf.fill input copy for comparison "
@@ -107,12 +110,12 @@ def main() -> None:
             runner = FusedBackend().prepare(problem, group, config)
             runner()
             synchronize(runner.buf)
+            kernel_call = given_call(runner) if args.given else plain_call(runner)
             for _ in range(args.warmup):
-                mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+                kernel_call()
             times, layer_times = [], []
             for _ in range(args.iters):
-                for call, into in ((lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg),
-                                    times), (runner, layer_times)):
+                for call, into in ((kernel_call, times), (runner, layer_times)):
                     if world > 1:
                         dist.barrier()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -141,13 +144,9 @@ def main() -> None:
                 return slowest(statistics.median(per_call))
 
             if args.b2b:
-                b2b_us = back_to_back(
-                    lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg))
+                b2b_us = back_to_back(kernel_call)
             if args.b2b_given:
-                p = runner.problem
-                b2b_given_us = back_to_back(
-                    lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, x=p.x, x_sf=p.x_sf,
-                                     topk_idx=p.topk_idx, topk_weights=p.topk_weights, config=runner.kernel_cfg))
+                b2b_given_us = back_to_back(given_call(runner))
             tflops = pairs * shape.flops_per_pair() / us / 1e6
             gbps = weight_bytes / us / 1e3
             say(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {config.get('cluster_m', 1):>3} {us:>10.1f} "
@@ -163,7 +162,7 @@ def main() -> None:
             if args.profile:
                 if world > 1:
                     dist.barrier()
-                counters, trace = profile_call(runner, args.profile_calls)  # every rank takes part
+                counters, trace = profile_call(runner, args.profile_calls, kernel_call)  # every rank takes part
                 for r in range(world):
                     if world > 1:
                         dist.barrier()
@@ -220,7 +219,19 @@ def host_costs(runner, problem, world: int) -> dict:
     return out
 
 
-def profile_call(runner, calls: int = 1) -> tuple:
+def plain_call(runner):
+    """One kernel call on the inputs already in the buffer."""
+    return lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+
+
+def given_call(runner):
+    """One kernel call with the inputs given (the kernel copies them into the buffer first)."""
+    p = runner.problem
+    return lambda: mega_moe(runner.y, runner.l1, runner.l2, runner.buf, x=p.x, x_sf=p.x_sf, topk_idx=p.topk_idx,
+                            topk_weights=p.topk_weights, config=runner.kernel_cfg)
+
+
+def profile_call(runner, calls: int = 1, call=None) -> tuple:
     """(cycle counters summed over ``calls`` kernel calls back to back, their timeline events) from
     the variant built with MEGAMOE_PROFILE=1; print_profile divides the counters by the warpgroups
     sampled, so it shows per-call means."""
@@ -230,8 +241,9 @@ def profile_call(runner, calls: int = 1) -> tuple:
     kernel = get_kernel(variant_for(runner.buf.config, runner.kernel_cfg), runner.buf.device)
     synchronize(runner.buf)
     kernel.reset_profile()
+    call = call or plain_call(runner)
     for _ in range(calls):
-        mega_moe(runner.y, runner.l1, runner.l2, runner.buf, config=runner.kernel_cfg)
+        call()
     synchronize(runner.buf)
     return kernel.read_profile(), kernel.read_trace()
 
