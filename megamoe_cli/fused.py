@@ -109,6 +109,28 @@ def check_peer_atomics(rank: int, bus_ids: Sequence[str], device_of: Callable[[s
     return checked
 
 
+def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: int, group) -> Tuple[torch.Tensor, List[int]]:
+    """A buffer per rank, each mapped into every rank's address space through CUDA IPC.
+
+    For groups with more ranks than GPUs (two ranks on one GPU), which torch's symmetric memory
+    refuses: a test and debugging setup (the ranks sharing a GPU are separate contexts that the
+    GPU time-slices), so correctness only.  Returns this rank's buffer and every rank's address."""
+    from .jit import driver
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        mine = driver.ipc_export(buffer.data_ptr())
+    except RuntimeError as error:
+        raise MegaMoEError(
+            f"rank {rank}: ranks share a GPU, so the buffer is mapped through CUDA IPC, which needs memory from "
+            f"cudaMalloc; got {error} (is PYTORCH_CUDA_ALLOC_CONF=expandable_segments set?)"
+        ) from None
+    handles: List[Optional[Tuple[bytes, int]]] = [None] * world_size
+    dist.all_gather_object(handles, mine, group=group)
+    ptrs = [buffer.data_ptr() if r == rank else driver.ipc_open(*handles[r]) for r in range(world_size)]
+    return buffer, ptrs
+
+
 class SymmBuffer:
     """One rank's symmetric buffer (identical layout on every rank of ``group``).
 
@@ -150,6 +172,7 @@ class SymmBuffer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         nbytes = self.layout.total_bytes
         self.handle = None
+        self.shares_gpus = False  # ranks share a GPU: buffers mapped through CUDA IPC (_map_peer_buffers)
         if self.world_size == 1:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             ptrs = [self.buffer.data_ptr()]
@@ -162,9 +185,13 @@ class SymmBuffer:
             bus_ids: List[Optional[str]] = [None] * self.world_size
             dist.all_gather_object(bus_ids, driver.pci_bus_id(self.device.index), group=group_obj)
             check_peer_atomics(self.rank, bus_ids, driver.device_by_pci_bus_id, driver.peer_native_atomics)
-            self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.handle = symm_mem.rendezvous(self.buffer, group_obj)
-            ptrs = list(self.handle.buffer_ptrs)
+            self.shares_gpus = len(set(bus_ids)) < len(bus_ids)
+            if self.shares_gpus:
+                self.buffer, ptrs = _map_peer_buffers(nbytes, self.device, self.rank, self.world_size, group_obj)
+            else:
+                self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+                self.handle = symm_mem.rendezvous(self.buffer, group_obj)
+                ptrs = list(self.handle.buffer_ptrs)
         self.peer_deltas = [int(ptr) - int(ptrs[self.rank]) for ptr in ptrs]
         # Counters start at zero once; the kernel returns them to zero after every call.
         self.buffer[: workspace_bytes(self.layout)].zero_()

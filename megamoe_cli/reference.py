@@ -220,9 +220,20 @@ def exchange_counts(send_counts: torch.Tensor, world_size: int, group) -> torch.
     """
     import torch.distributed as dist
 
-    recv = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
-    return recv.view(world_size, -1)
+    staged = _host_staged(send_counts, group)
+    recv = torch.empty_like(staged)
+    dist.all_to_all_single(recv, staged.contiguous(), group=group)
+    return recv.to(send_counts.device).view(world_size, -1)
+
+
+def _host_staged(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` on the host when ``group`` is gloo and ``t`` is on a GPU (gloo's all-to-all takes host
+    tensors; a gloo group is what runs more ranks than GPUs), else ``t``."""
+    import torch.distributed as dist
+
+    if t.is_cuda and dist.get_backend(group) == "gloo":
+        return t.cpu()
+    return t
 
 
 def all_to_all_rows(
@@ -235,11 +246,12 @@ def all_to_all_rows(
     """
     import torch.distributed as dist
 
-    recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=send.device)
+    staged = _host_staged(send, group)
+    recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=staged.device)
     dist.all_to_all_single(
-        recv, send.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
+        recv, staged.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
     )
-    return recv
+    return recv.to(send.device)
 
 
 def pack_rows(*parts: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|knob|iterate|cycles|power|tiers|final|publish|record|profile|stalls|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|knob|iterate|cycles|power|tiers|oversub|final|publish|record|profile|stalls|bench [args]
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 # mainloop [args]: the main-loop microbenchmark (microsweep: under each operand source); ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
@@ -159,6 +159,16 @@ PY
       done
     done
     run cycles 300 python3 scripts/profile_fused.py --profile --tokens ${POWER_TOKENS:-16384} --configs "$(echo $CONFIGS | tr ' ' ',')" --iters 3 --warmup 1
+    ;;
+  oversub)  # more ranks than GPUs (OVERSUB_RANKS, default "4 8"): the fused tier at world size 4 and 8 on
+            # the GPUs there are (rank r on GPU r % GPUs, gloo group, time-sliced contexts: correctness only)
+    # (the quick fused tier takes ~6 minutes at world size 4 on 2 GPUs; OVERSUB_K selects tests, e.g.
+    # "not deepseek and not seed" for the small shape only)
+    export MEGAMOE_GPU_QUICK=${OVERSUB_QUICK-1}
+    for n in ${OVERSUB_RANKS:-4 8}; do
+      run "gpu_ws${n}_on_${NGPU}" ${OVERSUB_TIMEOUT:-400} torchrun --standalone --nproc-per-node "$n" -m pytest \
+        tests/gpu/test_fused.py -q -s -p no:cacheprovider -rfE ${OVERSUB_K:+-k "$OVERSUB_K"}
+    done
     ;;
   tiers)
     run gpu_ws1 280 python3 -m pytest tests/gpu -q -p no:cacheprovider -m "not soak"

@@ -27,6 +27,7 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 3
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 PARAMS_ALIGN_BYTES = 64
 
 _c_void_pp = ctypes.POINTER(ctypes.c_void_p)
@@ -69,6 +70,10 @@ class CUlaunchConfig(ctypes.Structure):
     ]
 
 
+class CUipcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
 _SIGNATURES = {
     "cuInit": [ctypes.c_uint],
     "cuDriverGetVersion": [ctypes.POINTER(ctypes.c_int)],
@@ -88,6 +93,9 @@ _SIGNATURES = {
     "cuModuleGetGlobal_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p, ctypes.c_char_p],
     "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
     "cuMemsetD8_v2": [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t],
+    "cuMemGetAddressRange_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64],
+    "cuIpcGetMemHandle": [ctypes.POINTER(CUipcMemHandle), ctypes.c_uint64],
+    "cuIpcOpenMemHandle_v2": [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle, ctypes.c_uint],
     "cuFuncSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
     "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p],
     "cuFuncGetParamInfo": [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
@@ -212,6 +220,53 @@ def peer_native_atomics(device: int, peer: int) -> bool:
     _call("cuDeviceGetP2PAttribute", ctypes.byref(value), CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
           device, peer, what=f"native atomics {device} -> {peer}")
     return value.value != 0
+
+
+def ipc_export(ptr: int) -> Tuple[bytes, int]:
+    """(IPC handle of the allocation holding device address ``ptr``, ptr's offset in it).
+
+    Works on memory from cudaMalloc (PyTorch's default allocator), not on virtual-memory
+    allocations (``expandable_segments``), which the driver refuses to export this way."""
+    ensure_context()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr, what=f"0x{ptr:x}")
+    handle = CUipcMemHandle()
+    _call("cuIpcGetMemHandle", ctypes.byref(handle), base.value, what=f"allocation at 0x{base.value:x}")
+    return ipc_handle_bytes(handle), ptr - base.value
+
+
+def ipc_handle_bytes(handle: CUipcMemHandle) -> bytes:
+    """All 64 bytes of an IPC handle (its char-array field would stop at the first zero byte)."""
+    return bytes(handle)
+
+
+def ipc_handle_from_bytes(raw: bytes) -> CUipcMemHandle:
+    if len(raw) != ctypes.sizeof(CUipcMemHandle):
+        raise ValueError(f"an IPC handle has {ctypes.sizeof(CUipcMemHandle)} bytes, got {len(raw)}")
+    return CUipcMemHandle.from_buffer_copy(raw)
+
+
+_ipc_opened: Dict[bytes, int] = {}
+
+
+def ipc_open(handle: bytes, offset: int) -> int:
+    """This process's address of another process's allocation (``ipc_export``) plus ``offset``.
+
+    Opened in the current context with peer access enabled as needed, so kernels of this
+    context reach it whether it lives on this GPU or on an NVLink peer.  An allocation is
+    opened once per process and stays mapped until the process ends (the driver maps a
+    handle only once per context, and an exporter's allocator may hand the same allocation
+    out again)."""
+    raw = ipc_handle_from_bytes(handle)
+    ensure_context()
+    with _lock:
+        base = _ipc_opened.get(handle)
+        if base is None:
+            mapped = ctypes.c_uint64()
+            _call("cuIpcOpenMemHandle_v2", ctypes.byref(mapped), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
+                  what="a peer's buffer")
+            base = _ipc_opened[handle] = mapped.value
+    return base + offset
 
 
 def _default_device() -> int:

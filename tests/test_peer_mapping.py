@@ -1,0 +1,109 @@
+"""More ranks than GPUs: where each rank runs, how its buffer reaches the others (CUDA IPC), and
+the reference's collectives on a gloo group.  The GPU side runs in ``scripts/device_run.sh oversub``
+(the fused tier at world size 4 and 8 on 2 GPUs); these check the host logic without a GPU."""
+
+import ctypes
+
+import pytest
+import torch
+
+from megamoe_cli import fused, reference
+from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.gpus import rank_placement
+from megamoe_cli.jit import driver
+
+
+@pytest.mark.parametrize("local_rank,local_world,gpus,expected", [
+    (0, 1, 1, (0, "nccl")),
+    (1, 2, 2, (1, "nccl")),
+    (3, 4, 8, (3, "nccl")),   # fewer ranks than GPUs: one each
+    (2, 4, 2, (0, "gloo")),   # two ranks per GPU
+    (3, 4, 2, (1, "gloo")),
+    (7, 8, 2, (1, "gloo")),
+    (5, 8, 3, (2, "gloo")),
+])
+def test_rank_placement(local_rank, local_world, gpus, expected):
+    assert rank_placement(local_rank, local_world, gpus) == expected
+
+
+def test_rank_placement_refuses_what_cannot_be_placed():
+    with pytest.raises(MegaMoEError, match="at least one GPU, got 0"):
+        rank_placement(0, 2, 0)
+    with pytest.raises(MegaMoEError, match=r"local rank 4 outside \[0, 4\)"):
+        rank_placement(4, 4, 2)
+
+
+def test_ipc_handles_keep_all_64_bytes():
+    # A handle is opaque bytes, zeros included: reading the struct's char array would stop at
+    # the first zero byte (and the peer's open would then fail with CUDA_ERROR_INVALID_VALUE).
+    raw = bytes([0x41, 0, 0x42] + [0] * 30 + list(range(1, 32)))
+    assert len(raw) == 64
+    handle = driver.ipc_handle_from_bytes(raw)
+    assert len(handle.reserved) == 1  # what the field gives
+    assert driver.ipc_handle_bytes(handle) == raw
+    assert ctypes.sizeof(handle) == 64
+    with pytest.raises(ValueError, match="64 bytes, got 63"):
+        driver.ipc_handle_from_bytes(raw[:63])
+    with pytest.raises(ValueError, match="64 bytes, got 3"):
+        driver.ipc_open(b"abc", 0)  # checked before any driver call
+
+
+def test_map_peer_buffers_gives_every_rank_its_peers_addresses(monkeypatch):
+    rank, world = 2, 4
+    exported = {r: (bytes([r + 1]) * 64, 4096 * r) for r in range(world)}
+    opened = []
+
+    def export(ptr):
+        return exported[rank]
+
+    def open_(handle, offset):
+        opened.append((handle, offset))
+        return 0x7F0000000000 + 0x100000000 * handle[0] + offset
+
+    def gather(out, value, group=None):
+        assert value == exported[rank]
+        out[:] = [exported[r] for r in range(world)]
+
+    monkeypatch.setattr(driver, "ipc_export", export)
+    monkeypatch.setattr(driver, "ipc_open", open_)
+    monkeypatch.setattr(fused.dist, "all_gather_object", gather)
+    buffer, ptrs = fused._map_peer_buffers(1024, torch.device("cpu"), rank, world, group=None)
+    assert buffer.numel() == 1024 and buffer.dtype == torch.uint8
+    assert ptrs[rank] == buffer.data_ptr()
+    assert sorted(opened) == sorted(exported[r] for r in range(world) if r != rank)  # never its own
+    for r in range(world):
+        if r != rank:
+            assert ptrs[r] == 0x7F0000000000 + 0x100000000 * (r + 1) + 4096 * r
+
+
+def test_map_peer_buffers_names_the_allocator_when_export_fails(monkeypatch):
+    def export(ptr):
+        raise driver.CudaDriverError("cuIpcGetMemHandle", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+
+    monkeypatch.setattr(driver, "ipc_export", export)
+    with pytest.raises(MegaMoEError, match="rank 1: ranks share a GPU.*cudaMalloc.*expandable_segments"):
+        fused._map_peer_buffers(64, torch.device("cpu"), 1, 4, group=None)
+
+
+class _FakeCudaTensor:
+    """Stands in for a GPU tensor on a CPU machine: what _host_staged looks at and calls."""
+
+    is_cuda = True
+
+    def __init__(self):
+        self.moved = False
+
+    def cpu(self):
+        self.moved = True
+        return torch.zeros(3)
+
+
+@pytest.mark.parametrize("backend,moves", [("gloo", True), ("nccl", False)])
+def test_reference_collectives_stage_gpu_tensors_on_the_host_for_gloo(monkeypatch, backend, moves):
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    t = _FakeCudaTensor()
+    out = reference._host_staged(t, group=None)
+    assert t.moved is moves
+    assert (out is not t) is moves
+    cpu = torch.ones(2)
+    assert reference._host_staged(cpu, group=None) is cpu  # host tensors stay where they are
