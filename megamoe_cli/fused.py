@@ -14,6 +14,7 @@ are used when none are given.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -109,26 +110,48 @@ def check_peer_atomics(rank: int, bus_ids: Sequence[str], device_of: Callable[[s
     return checked
 
 
-def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: int, group) -> Tuple[torch.Tensor, List[int]]:
+def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: int,
+                      group) -> Tuple[torch.Tensor, List[int], List[bytes]]:
     """A buffer per rank, each mapped into every rank's address space through CUDA IPC.
 
     For groups with more ranks than GPUs (two ranks on one GPU), which torch's symmetric memory
     refuses: a test and debugging setup (the ranks sharing a GPU are separate contexts that the
-    GPU time-slices), so correctness only.  Returns this rank's buffer and every rank's address."""
+    GPU time-slices), so correctness only.  Returns this rank's buffer, every rank's address and
+    the peers' handles this rank opened (``SymmBuffer.close`` closes them).  A rank whose export
+    or mapping fails tells the others, so every rank raises instead of waiting for it."""
     from .jit import driver
 
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     try:
-        mine = driver.ipc_export(buffer.data_ptr())
+        mine: object = driver.ipc_export(buffer.data_ptr(), device.index)
     except RuntimeError as error:
-        raise MegaMoEError(
-            f"rank {rank}: ranks share a GPU, so the buffer is mapped through CUDA IPC, which needs memory from "
-            f"cudaMalloc; got {error} (is PYTORCH_CUDA_ALLOC_CONF=expandable_segments set?)"
-        ) from None
-    handles: List[Optional[Tuple[bytes, int]]] = [None] * world_size
+        mine = (f"rank {rank}: ranks share a GPU, so the buffer is mapped through CUDA IPC, which needs memory "
+                f"from cudaMalloc; got {error} (is PYTORCH_CUDA_ALLOC_CONF=expandable_segments set?)")
+    handles: List[object] = [None] * world_size
     dist.all_gather_object(handles, mine, group=group)
-    ptrs = [buffer.data_ptr() if r == rank else driver.ipc_open(*handles[r]) for r in range(world_size)]
-    return buffer, ptrs
+    failed = [h for h in handles if isinstance(h, str)]
+    if failed:
+        raise MegaMoEError("; ".join(failed))
+    ptrs: List[int] = []
+    opened: List[bytes] = []
+    error = None
+    for r in range(world_size):
+        if r == rank:
+            ptrs.append(buffer.data_ptr())
+            continue
+        try:
+            ptrs.append(driver.ipc_open(handles[r][0], handles[r][1], device.index))
+            opened.append(handles[r][0])
+        except RuntimeError as exc:
+            error = f"rank {rank} could not map rank {r}'s buffer: {exc}"
+            break
+    errors: List[Optional[str]] = [None] * world_size
+    dist.all_gather_object(errors, error, group=group)
+    if any(errors):
+        for h in opened:
+            driver.ipc_close(h, device.index)
+        raise MegaMoEError("; ".join(e for e in errors if e))
+    return buffer, ptrs, opened
 
 
 class SymmBuffer:
@@ -173,6 +196,8 @@ class SymmBuffer:
         nbytes = self.layout.total_bytes
         self.handle = None
         self.shares_gpus = False  # ranks share a GPU: buffers mapped through CUDA IPC (_map_peer_buffers)
+        self._ipc_opened: List[bytes] = []  # the peers' buffers this rank mapped (shares_gpus)
+        self.closed = False
         if self.world_size == 1:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             ptrs = [self.buffer.data_ptr()]
@@ -182,12 +207,14 @@ class SymmBuffer:
             from .jit import driver
 
             group_obj = group if group is not None else dist.group.WORLD
-            bus_ids: List[Optional[str]] = [None] * self.world_size
-            dist.all_gather_object(bus_ids, driver.pci_bus_id(self.device.index), group=group_obj)
+            gpus: List[Optional[Tuple[str, str]]] = [None] * self.world_size
+            dist.all_gather_object(gpus, (socket.gethostname(), driver.pci_bus_id(self.device.index)), group=group_obj)
+            bus_ids = [bus for _, bus in gpus]
             check_peer_atomics(self.rank, bus_ids, driver.device_by_pci_bus_id, driver.peer_native_atomics)
-            self.shares_gpus = len(set(bus_ids)) < len(bus_ids)
+            self.shares_gpus = len(set(gpus)) < len(gpus)
             if self.shares_gpus:
-                self.buffer, ptrs = _map_peer_buffers(nbytes, self.device, self.rank, self.world_size, group_obj)
+                self.buffer, ptrs, self._ipc_opened = _map_peer_buffers(nbytes, self.device, self.rank,
+                                                                        self.world_size, group_obj)
             else:
                 self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
                 self.handle = symm_mem.rendezvous(self.buffer, group_obj)
@@ -205,6 +232,24 @@ class SymmBuffer:
         self.topk_idx = self.view("topk_idx")
         self.topk_weights = self.view("topk_weights")
         self.inputs = (self.x, self.x_sf, self.topk_idx, self.topk_weights)  # in _INPUTS order
+
+    def close(self) -> None:
+        """Unmap the peers' buffers (collective: every rank of the group calls it).
+
+        Only buffers mapped through CUDA IPC (``shares_gpus``) hold mappings of their own: each
+        rank waits for its device, unmaps its peers' buffers, then waits for every rank, so that
+        no peer still maps this rank's memory when it is freed; such a buffer then refuses further
+        calls.  Symmetric-memory buffers are left to torch: for them this does nothing."""
+        if self.closed or not self.shares_gpus:
+            return
+        self.closed = True
+        from .jit import driver
+
+        torch.cuda.synchronize(self.device)
+        for handle in self._ipc_opened:
+            driver.ipc_close(handle, self.device.index)
+        self._ipc_opened = []
+        dist.barrier(group=self.group)
 
     def fill(self, x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
         """Copy one call's inputs into the views (one device launch; two when x is over 16 MiB);
@@ -591,6 +636,8 @@ def mega_moe(
     """
     if not isinstance(buf, SymmBuffer):
         raise MegaMoEError(f"mega_moe: buf must be a SymmBuffer, got {type(buf).__name__}")
+    if buf.closed:
+        raise MegaMoEError("mega_moe: the SymmBuffer was closed (SymmBuffer.close); make a new one")
     cfg = buf.config
     config = config or KernelConfig(block_m=cfg.block_m)
     if not isinstance(config, KernelConfig):
@@ -717,6 +764,8 @@ class _FusedRunner:
         key = (id(group), s, problem.num_max_tokens_per_rank, kernel_cfg.block_m)
         buf = _BUFFERS.get(key)
         if buf is None:
+            for old in _BUFFERS.values():  # every rank gets here together: a new buffer is collective
+                old.close()
             _BUFFERS.clear()
             torch.cuda.empty_cache()
             buf = SymmBuffer(group, s.num_experts, problem.num_max_tokens_per_rank, s.num_topk, s.hidden,

@@ -1,7 +1,8 @@
 """Time the fused kernel alone on one GPU (world size 1, every expert local) for several configs.
 
-The kernel's own time (CUDA events around `mega_moe`, inputs already in the buffer) is the
-second roofline next to `megamoe bench`'s layer time.  Under `ncu`, pass --iters 1.
+The kernel's own time (CUDA events around `mega_moe`, inputs already in the buffer; with --given
+the inputs are given, so the kernel copies them first) is the second roofline next to
+`megamoe bench`'s layer time.  Under `ncu`, pass --iters 1.
 Under torchrun (one rank per GPU) every rank runs its share of an expert-parallel layer and the
 slowest rank's median is printed, both for the kernel alone and for the layer call (the inputs
 given to `mega_moe`, which copies them into the buffer in the kernel).
@@ -86,6 +87,8 @@ def main() -> None:
         if rank == 0:
             print(text, flush=True)
 
+    say("kernel calls on " + ("inputs given to mega_moe (copied by the kernel)" if args.given
+                               else "inputs already in the buffer"))
     say(f"{'tokens':>7} {'block_m':>7} {'stages':>6} {'sms':>4} {'clu':>3} {'us':>10} {'TFLOPS':>8} {'weights GB/s':>12}"
         + ("   layer us (ranks: %d)" % world if world > 1 else ""))
     for tokens in [int(t) for t in args.tokens.split(",")]:

@@ -45,7 +45,18 @@ def test_ipc_handles_keep_all_64_bytes():
     with pytest.raises(ValueError, match="64 bytes, got 63"):
         driver.ipc_handle_from_bytes(raw[:63])
     with pytest.raises(ValueError, match="64 bytes, got 3"):
-        driver.ipc_open(b"abc", 0)  # checked before any driver call
+        driver.ipc_open(b"abc", 0, 0)  # checked before any driver call
+
+
+def _gathers(*answers):
+    """A stand-in for dist.all_gather_object that answers its successive calls from ``answers``
+    (each a function of the value this rank contributed)."""
+    calls = iter(answers)
+
+    def gather(out, value, group=None):
+        out[:] = next(calls)(value)
+
+    return gather
 
 
 def test_map_peer_buffers_gives_every_rank_its_peers_addresses(monkeypatch):
@@ -53,36 +64,116 @@ def test_map_peer_buffers_gives_every_rank_its_peers_addresses(monkeypatch):
     exported = {r: (bytes([r + 1]) * 64, 4096 * r) for r in range(world)}
     opened = []
 
-    def export(ptr):
+    def export(ptr, device):
         return exported[rank]
 
-    def open_(handle, offset):
+    def open_(handle, offset, device):
         opened.append((handle, offset))
         return 0x7F0000000000 + 0x100000000 * handle[0] + offset
 
-    def gather(out, value, group=None):
+    def handles(value):
         assert value == exported[rank]
-        out[:] = [exported[r] for r in range(world)]
+        return [exported[r] for r in range(world)]
 
     monkeypatch.setattr(driver, "ipc_export", export)
     monkeypatch.setattr(driver, "ipc_open", open_)
-    monkeypatch.setattr(fused.dist, "all_gather_object", gather)
-    buffer, ptrs = fused._map_peer_buffers(1024, torch.device("cpu"), rank, world, group=None)
+    monkeypatch.setattr(fused.dist, "all_gather_object", _gathers(handles, lambda value: [value] * world))
+    buffer, ptrs, mapped = fused._map_peer_buffers(1024, torch.device("cpu"), rank, world, group=None)
     assert buffer.numel() == 1024 and buffer.dtype == torch.uint8
     assert ptrs[rank] == buffer.data_ptr()
     assert sorted(opened) == sorted(exported[r] for r in range(world) if r != rank)  # never its own
+    assert sorted(mapped) == sorted(exported[r][0] for r in range(world) if r != rank)
     for r in range(world):
         if r != rank:
             assert ptrs[r] == 0x7F0000000000 + 0x100000000 * (r + 1) + 4096 * r
 
 
 def test_map_peer_buffers_names_the_allocator_when_export_fails(monkeypatch):
-    def export(ptr):
+    def export(ptr, device):
         raise driver.CudaDriverError("cuIpcGetMemHandle", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
 
     monkeypatch.setattr(driver, "ipc_export", export)
+    monkeypatch.setattr(fused.dist, "all_gather_object", _gathers(lambda value: [(b"x" * 64, 0), value, (b"y" * 64, 0)]))
     with pytest.raises(MegaMoEError, match="rank 1: ranks share a GPU.*cudaMalloc.*expandable_segments"):
-        fused._map_peer_buffers(64, torch.device("cpu"), 1, 4, group=None)
+        fused._map_peer_buffers(64, torch.device("cpu"), 1, 3, group=None)
+
+
+def test_map_peer_buffers_fails_on_every_rank_when_one_rank_fails(monkeypatch):
+    # A peer's export failed: this rank raises too instead of waiting for it in a later collective.
+    monkeypatch.setattr(driver, "ipc_export", lambda ptr, device: (b"a" * 64, 0))
+    monkeypatch.setattr(driver, "ipc_open", lambda *a: pytest.fail("must not map after a peer failed"))
+    monkeypatch.setattr(fused.dist, "all_gather_object",
+                        _gathers(lambda value: [value, "rank 1: ranks share a GPU, ... no cudaMalloc memory"]))
+    with pytest.raises(MegaMoEError, match="rank 1: ranks share a GPU"):
+        fused._map_peer_buffers(64, torch.device("cpu"), 0, 2, group=None)
+
+    # This rank maps rank 1, then fails on rank 2: it unmaps rank 1 and every rank hears why.
+    closed = []
+
+    def open_(handle, offset, device):
+        if handle[:1] == b"c":
+            raise driver.CudaDriverError("cuIpcOpenMemHandle_v2", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+        return 0x1000
+
+    monkeypatch.setattr(driver, "ipc_open", open_)
+    monkeypatch.setattr(driver, "ipc_close", lambda handle, device: closed.append(handle))
+    monkeypatch.setattr(fused.dist, "all_gather_object",
+                        _gathers(lambda value: [value, (b"b" * 64, 0), (b"c" * 64, 0)], lambda value: [value, None, None]))
+    with pytest.raises(MegaMoEError, match="rank 0 could not map rank 2's buffer.*INVALID_VALUE"):
+        fused._map_peer_buffers(64, torch.device("cpu"), 0, 3, group=None)
+    assert closed == [b"b" * 64]
+
+
+def test_ipc_mappings_are_counted_and_the_last_close_unmaps(monkeypatch):
+    calls = []
+
+    def call(name, *args, what=""):
+        calls.append(name)
+        if name == "cuIpcOpenMemHandle_v2":
+            args[0]._obj.value = 0x7000  # the mapped address (byref(mapped))
+
+    monkeypatch.setattr(driver, "_call", call)
+    monkeypatch.setattr(driver, "ensure_context", lambda device=None: 0)
+    monkeypatch.setattr(driver, "_ipc_opened", {})
+    h = bytes(range(64))
+    assert driver.ipc_open(h, 16, 0) == 0x7010
+    assert driver.ipc_open(h, 32, 0) == 0x7020  # the same allocation again: no second mapping
+    assert calls == ["cuIpcOpenMemHandle_v2"]
+    driver.ipc_close(h, 0)
+    assert calls == ["cuIpcOpenMemHandle_v2"]  # still in use
+    driver.ipc_close(h, 0)
+    assert calls == ["cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle"]
+    with pytest.raises(ValueError, match="not open"):
+        driver.ipc_close(h, 0)
+    driver.ipc_open(h, 0, 1)  # another device maps it on its own
+    assert calls.count("cuIpcOpenMemHandle_v2") == 2
+
+
+def _bare_buffer(shares_gpus):
+    buf = object.__new__(fused.SymmBuffer)
+    buf.shares_gpus, buf.closed, buf.group = shares_gpus, False, None
+    buf.device = torch.device("cuda", 0)
+    buf._ipc_opened = [b"p" * 64, b"q" * 64]
+    return buf
+
+
+def test_close_unmaps_the_peers_then_waits_for_every_rank(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    monkeypatch.setattr(driver, "ipc_close", lambda handle, device: events.append(("close", handle[:1], device)))
+    monkeypatch.setattr(fused.dist, "barrier", lambda group=None: events.append("barrier"))
+    buf = _bare_buffer(True)
+    buf.close()
+    assert events == ["sync", ("close", b"p", 0), ("close", b"q", 0), "barrier"]
+    assert buf.closed and buf._ipc_opened == []
+    buf.close()  # once only
+    assert len(events) == 4
+    with pytest.raises(MegaMoEError, match="SymmBuffer was closed"):
+        fused.mega_moe(None, None, None, buf)
+
+    symmetric = _bare_buffer(False)  # torch's symmetric memory: nothing to unmap, still usable
+    symmetric.close()
+    assert not symmetric.closed and len(events) == 4
 
 
 class _FakeCudaTensor:

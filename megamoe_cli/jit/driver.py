@@ -96,6 +96,7 @@ _SIGNATURES = {
     "cuMemGetAddressRange_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64],
     "cuIpcGetMemHandle": [ctypes.POINTER(CUipcMemHandle), ctypes.c_uint64],
     "cuIpcOpenMemHandle_v2": [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle, ctypes.c_uint],
+    "cuIpcCloseMemHandle": [ctypes.c_uint64],
     "cuFuncSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
     "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p],
     "cuFuncGetParamInfo": [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
@@ -222,12 +223,12 @@ def peer_native_atomics(device: int, peer: int) -> bool:
     return value.value != 0
 
 
-def ipc_export(ptr: int) -> Tuple[bytes, int]:
-    """(IPC handle of the allocation holding device address ``ptr``, ptr's offset in it).
+def ipc_export(ptr: int, device: int) -> Tuple[bytes, int]:
+    """(IPC handle of the allocation holding device address ``ptr`` on ``device``, ptr's offset in it).
 
     Works on memory from cudaMalloc (PyTorch's default allocator), not on virtual-memory
     allocations (``expandable_segments``), which the driver refuses to export this way."""
-    ensure_context()
+    ensure_context(device)
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     _call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr, what=f"0x{ptr:x}")
     handle = CUipcMemHandle()
@@ -246,27 +247,42 @@ def ipc_handle_from_bytes(raw: bytes) -> CUipcMemHandle:
     return CUipcMemHandle.from_buffer_copy(raw)
 
 
-_ipc_opened: Dict[bytes, int] = {}
+# (device, handle) -> [address where it is mapped, number of ipc_open calls not yet closed]
+_ipc_opened: Dict[Tuple[int, bytes], list] = {}
 
 
-def ipc_open(handle: bytes, offset: int) -> int:
-    """This process's address of another process's allocation (``ipc_export``) plus ``offset``.
+def ipc_open(handle: bytes, offset: int, device: int) -> int:
+    """``device``'s address of another process's allocation (``ipc_export``) plus ``offset``.
 
-    Opened in the current context with peer access enabled as needed, so kernels of this
-    context reach it whether it lives on this GPU or on an NVLink peer.  An allocation is
-    opened once per process and stays mapped until the process ends (the driver maps a
-    handle only once per context, and an exporter's allocator may hand the same allocation
-    out again)."""
+    Mapped in ``device``'s primary context with peer access enabled as needed, so its kernels
+    reach the allocation whether it lives on that GPU or on an NVLink peer.  Mapped once per
+    (device, allocation) and counted: every ``ipc_open`` needs one ``ipc_close``, and the
+    last one unmaps it (an exporter's allocator may hand the same allocation out again, to a
+    second buffer, while the first is still mapped)."""
     raw = ipc_handle_from_bytes(handle)
-    ensure_context()
+    ensure_context(device)
     with _lock:
-        base = _ipc_opened.get(handle)
-        if base is None:
+        entry = _ipc_opened.get((device, handle))
+        if entry is None:
             mapped = ctypes.c_uint64()
             _call("cuIpcOpenMemHandle_v2", ctypes.byref(mapped), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
                   what="a peer's buffer")
-            base = _ipc_opened[handle] = mapped.value
-    return base + offset
+            entry = _ipc_opened[(device, handle)] = [mapped.value, 0]
+        entry[1] += 1
+    return entry[0] + offset
+
+
+def ipc_close(handle: bytes, device: int) -> None:
+    """Undo one ``ipc_open`` of ``handle`` on ``device``; the last one unmaps the allocation."""
+    with _lock:
+        entry = _ipc_opened.get((device, handle))
+        if entry is None:
+            raise ValueError("ipc_close: that handle is not open on this device")
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _ipc_opened[(device, handle)]
+            ensure_context(device)
+            _call("cuIpcCloseMemHandle", entry[0], what="a peer's buffer")
 
 
 def _default_device() -> int:
