@@ -239,7 +239,8 @@ class SymmBuffer:
         Only buffers mapped through CUDA IPC (``shares_gpus``) hold mappings of their own: each
         rank waits for its device, unmaps its peers' buffers, then waits for every rank, so that
         no peer still maps this rank's memory when it is freed; such a buffer then refuses further
-        calls.  Symmetric-memory buffers are left to torch: for them this does nothing."""
+        calls (a CUDA graph captured on it must not be replayed: that is not checked).
+        Symmetric-memory buffers are left to torch: for them this does nothing."""
         if self.closed or not self.shares_gpus:
             return
         self.closed = True
