@@ -110,6 +110,11 @@ def check_peer_atomics(rank: int, bus_ids: Sequence[str], device_of: Callable[[s
     return checked
 
 
+def ranks_share_gpus(gpus: Sequence[Tuple[str, str]]) -> bool:
+    """Whether two ranks of a group use one GPU, from every rank's (host name, PCI bus id)."""
+    return len(set(gpus)) < len(gpus)
+
+
 def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: int,
                       group) -> Tuple[torch.Tensor, List[int], List[bytes]]:
     """A buffer per rank, each mapped into every rank's address space through CUDA IPC.
@@ -121,12 +126,14 @@ def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: 
     or mapping fails tells the others, so every rank raises instead of waiting for it."""
     from .jit import driver
 
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer = None
     try:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         mine: object = driver.ipc_export(buffer.data_ptr(), device.index)
-    except RuntimeError as error:
+    except Exception as error:  # every rank must reach the gather below, whatever failed
         mine = (f"rank {rank}: ranks share a GPU, so the buffer is mapped through CUDA IPC, which needs memory "
-                f"from cudaMalloc; got {error} (is PYTORCH_CUDA_ALLOC_CONF=expandable_segments set?)")
+                f"from cudaMalloc; got {type(error).__name__}: {error} (is PYTORCH_CUDA_ALLOC_CONF=expandable_segments "
+                f"set? is the GPU out of memory?)")
     handles: List[object] = [None] * world_size
     dist.all_gather_object(handles, mine, group=group)
     failed = [h for h in handles if isinstance(h, str)]
@@ -142,14 +149,18 @@ def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: 
         try:
             ptrs.append(driver.ipc_open(handles[r][0], handles[r][1], device.index))
             opened.append(handles[r][0])
-        except RuntimeError as exc:
-            error = f"rank {rank} could not map rank {r}'s buffer: {exc}"
+        except Exception as exc:
+            error = f"rank {rank} could not map rank {r}'s buffer: {type(exc).__name__}: {exc}"
             break
     errors: List[Optional[str]] = [None] * world_size
     dist.all_gather_object(errors, error, group=group)
-    if any(errors):
+    if any(errors):  # every rank sees the same list: all of them unmap, wait for each other and raise
         for h in opened:
-            driver.ipc_close(h, device.index)
+            try:
+                driver.ipc_close(h, device.index)
+            except Exception:
+                pass  # the error being raised matters more; the mapping goes with the process
+        dist.barrier(group=group)  # no rank frees its buffer while a peer still maps it
         raise MegaMoEError("; ".join(e for e in errors if e))
     return buffer, ptrs, opened
 
@@ -211,7 +222,7 @@ class SymmBuffer:
             dist.all_gather_object(gpus, (socket.gethostname(), driver.pci_bus_id(self.device.index)), group=group_obj)
             bus_ids = [bus for _, bus in gpus]
             check_peer_atomics(self.rank, bus_ids, driver.device_by_pci_bus_id, driver.peer_native_atomics)
-            self.shares_gpus = len(set(gpus)) < len(gpus)
+            self.shares_gpus = ranks_share_gpus(gpus)
             if self.shares_gpus:
                 self.buffer, ptrs, self._ipc_opened = _map_peer_buffers(nbytes, self.device, self.rank,
                                                                         self.world_size, group_obj)
@@ -246,11 +257,23 @@ class SymmBuffer:
         self.closed = True
         from .jit import driver
 
-        torch.cuda.synchronize(self.device)
+        error = None
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # a failed kernel: unmap anyway, and say so after the others did too
+            error = f"rank {self.rank}: the device failed before its peers' buffers were unmapped: {exc}"
         for handle in self._ipc_opened:
-            driver.ipc_close(handle, self.device.index)
+            try:
+                driver.ipc_close(handle, self.device.index)
+            except Exception as exc:
+                error = error or f"rank {self.rank} could not unmap a peer's buffer: {exc}"
         self._ipc_opened = []
-        dist.barrier(group=self.group)
+        # The gather is the barrier: no rank frees its buffer while a peer still maps it, and a
+        # rank that failed does not leave the others waiting.
+        errors: List[Optional[str]] = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        if any(errors):
+            raise MegaMoEError("SymmBuffer.close: " + "; ".join(e for e in errors if e))
 
     def fill(self, x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
         """Copy one call's inputs into the views (one device launch; two when x is over 16 MiB);
@@ -788,6 +811,8 @@ class _FusedRunner:
             self.config["promotion_hints"] = os.environ.get(ENV_PROMOTION_HINTS, "")
 
     def __call__(self) -> torch.Tensor:
+        if self.buf.closed:  # a graph replay would not reach mega_moe's own check
+            raise MegaMoEError("this layer's SymmBuffer was closed (a newer runner replaced it); prepare it again")
         if not self.graph:
             return self._eager()
         if self._graph is None:

@@ -107,51 +107,95 @@ def test_map_peer_buffers_fails_on_every_rank_when_one_rank_fails(monkeypatch):
     with pytest.raises(MegaMoEError, match="rank 1: ranks share a GPU"):
         fused._map_peer_buffers(64, torch.device("cpu"), 0, 2, group=None)
 
-    # This rank maps rank 1, then fails on rank 2: it unmaps rank 1 and every rank hears why.
-    closed = []
+    # This rank maps rank 1, then fails on rank 2 (any exception type): it unmaps rank 1, waits
+    # for every rank, and every rank hears why.
+    closed, barriers = [], []
 
     def open_(handle, offset, device):
         if handle[:1] == b"c":
-            raise driver.CudaDriverError("cuIpcOpenMemHandle_v2", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+            raise ValueError("a handle of the wrong size")
         return 0x1000
 
     monkeypatch.setattr(driver, "ipc_open", open_)
     monkeypatch.setattr(driver, "ipc_close", lambda handle, device: closed.append(handle))
+    monkeypatch.setattr(fused.dist, "barrier", lambda group=None: barriers.append(group))
     monkeypatch.setattr(fused.dist, "all_gather_object",
                         _gathers(lambda value: [value, (b"b" * 64, 0), (b"c" * 64, 0)], lambda value: [value, None, None]))
-    with pytest.raises(MegaMoEError, match="rank 0 could not map rank 2's buffer.*INVALID_VALUE"):
+    with pytest.raises(MegaMoEError, match="rank 0 could not map rank 2's buffer: ValueError"):
         fused._map_peer_buffers(64, torch.device("cpu"), 0, 3, group=None)
-    assert closed == [b"b" * 64]
+    assert closed == [b"b" * 64] and len(barriers) == 1
+
+    # This rank mapped everything but a peer could not: it raises as well, after unmapping.
+    closed.clear(), barriers.clear()
+    monkeypatch.setattr(driver, "ipc_open", lambda handle, offset, device: 0x2000)
+    monkeypatch.setattr(fused.dist, "all_gather_object",
+                        _gathers(lambda value: [value, (b"b" * 64, 0), (b"d" * 64, 0)],
+                                 lambda value: [value, None, "rank 2 could not map rank 0's buffer: boom"]))
+    with pytest.raises(MegaMoEError, match="rank 2 could not map rank 0's buffer"):
+        fused._map_peer_buffers(64, torch.device("cpu"), 0, 3, group=None)
+    assert sorted(closed) == [b"b" * 64, b"d" * 64] and len(barriers) == 1
+
+
+def test_map_peer_buffers_reports_an_allocation_failure_to_every_rank(monkeypatch):
+    # Out of memory on this rank (4 ranks on one GPU): the others hear it in the first gather.
+    def empty(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    contributed = []
+
+    def handles(value):
+        contributed.append(value)
+        return [value, (b"z" * 64, 0)]
+
+    monkeypatch.setattr(fused.torch, "empty", empty)
+    monkeypatch.setattr(fused.dist, "all_gather_object", _gathers(handles))
+    with pytest.raises(MegaMoEError, match="rank 0: .*RuntimeError: CUDA out of memory"):
+        fused._map_peer_buffers(64, torch.device("cpu"), 0, 2, group=None)
+    assert isinstance(contributed[0], str)
+
+
+def test_ranks_share_gpus_by_host_and_bus():
+    a, b = "0000:18:00.0", "0000:2a:00.0"
+    assert not fused.ranks_share_gpus([("n1", a), ("n1", b)])
+    assert fused.ranks_share_gpus([("n1", a), ("n1", b), ("n1", a)])
+    assert not fused.ranks_share_gpus([("n1", a), ("n2", a)])  # the same bus id on two hosts: two GPUs
 
 
 def test_ipc_mappings_are_counted_and_the_last_close_unmaps(monkeypatch):
-    calls = []
+    calls, contexts = [], []
 
     def call(name, *args, what=""):
-        calls.append(name)
         if name == "cuIpcOpenMemHandle_v2":
             args[0]._obj.value = 0x7000  # the mapped address (byref(mapped))
+            calls.append((name, bytes(args[1]), args[2]))
+        else:
+            calls.append((name,) + args)
 
     monkeypatch.setattr(driver, "_call", call)
-    monkeypatch.setattr(driver, "ensure_context", lambda device=None: 0)
+    monkeypatch.setattr(driver, "ensure_context", lambda device=None: contexts.append(device))
     monkeypatch.setattr(driver, "_ipc_opened", {})
     h = bytes(range(64))
-    assert driver.ipc_open(h, 16, 0) == 0x7010
-    assert driver.ipc_open(h, 32, 0) == 0x7020  # the same allocation again: no second mapping
-    assert calls == ["cuIpcOpenMemHandle_v2"]
-    driver.ipc_close(h, 0)
-    assert calls == ["cuIpcOpenMemHandle_v2"]  # still in use
-    driver.ipc_close(h, 0)
-    assert calls == ["cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle"]
+    assert driver.ipc_open(h, 16, 3) == 0x7010
+    assert driver.ipc_open(h, 32, 3) == 0x7020  # the same allocation again: no second mapping
+    assert calls == [("cuIpcOpenMemHandle_v2", h, driver.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)]
+    assert contexts == [3, 3]  # mapped in the buffer's device's context
+    driver.ipc_close(h, 3)
+    assert len(calls) == 1  # still in use
+    driver.ipc_close(h, 3)
+    assert calls[1:] == [("cuIpcCloseMemHandle", 0x7000)]  # the mapped base, not an offset into it
+    assert contexts[-1] == 3
     with pytest.raises(ValueError, match="not open"):
-        driver.ipc_close(h, 0)
+        driver.ipc_close(h, 3)
     driver.ipc_open(h, 0, 1)  # another device maps it on its own
-    assert calls.count("cuIpcOpenMemHandle_v2") == 2
+    assert [c[0] for c in calls].count("cuIpcOpenMemHandle_v2") == 2
+    assert driver._SIGNATURES["cuIpcCloseMemHandle"] == [ctypes.c_uint64]
+    assert driver._SIGNATURES["cuIpcOpenMemHandle_v2"][1] is driver.CUipcMemHandle  # by value
 
 
-def _bare_buffer(shares_gpus):
+def _bare_buffer(shares_gpus, rank=0, world_size=2):
     buf = object.__new__(fused.SymmBuffer)
     buf.shares_gpus, buf.closed, buf.group = shares_gpus, False, None
+    buf.rank, buf.world_size = rank, world_size
     buf.device = torch.device("cuda", 0)
     buf._ipc_opened = [b"p" * 64, b"q" * 64]
     return buf
@@ -161,10 +205,15 @@ def test_close_unmaps_the_peers_then_waits_for_every_rank(monkeypatch):
     events = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
     monkeypatch.setattr(driver, "ipc_close", lambda handle, device: events.append(("close", handle[:1], device)))
-    monkeypatch.setattr(fused.dist, "barrier", lambda group=None: events.append("barrier"))
+
+    def gather(out, value, group=None):
+        events.append("gather")
+        out[:] = [value, None]
+
+    monkeypatch.setattr(fused.dist, "all_gather_object", gather)
     buf = _bare_buffer(True)
     buf.close()
-    assert events == ["sync", ("close", b"p", 0), ("close", b"q", 0), "barrier"]
+    assert events == ["sync", ("close", b"p", 0), ("close", b"q", 0), "gather"]
     assert buf.closed and buf._ipc_opened == []
     buf.close()  # once only
     assert len(events) == 4
@@ -174,6 +223,68 @@ def test_close_unmaps_the_peers_then_waits_for_every_rank(monkeypatch):
     symmetric = _bare_buffer(False)  # torch's symmetric memory: nothing to unmap, still usable
     symmetric.close()
     assert not symmetric.closed and len(events) == 4
+
+
+def test_close_unmaps_and_meets_the_others_even_when_the_device_failed(monkeypatch):
+    def failed_sync(device=None):
+        raise RuntimeError("an illegal instruction was encountered")
+
+    closed, contributed = [], []
+
+    def gather(out, value, group=None):
+        contributed.append(value)
+        out[:] = [value, None]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", failed_sync)
+    monkeypatch.setattr(driver, "ipc_close", lambda handle, device: closed.append(handle))
+    monkeypatch.setattr(fused.dist, "all_gather_object", gather)
+    with pytest.raises(MegaMoEError, match="rank 0: the device failed.*illegal instruction"):
+        _bare_buffer(True).close()
+    assert len(closed) == 2 and "illegal instruction" in contributed[0]
+
+    # A peer failed: this rank, whose own close went well, raises too.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(fused.dist, "all_gather_object",
+                        lambda out, value, group=None: out.__setitem__(slice(None), [value, "rank 1: boom"]))
+    with pytest.raises(MegaMoEError, match="rank 1: boom"):
+        _bare_buffer(True).close()
+
+
+def test_a_new_buffer_closes_the_runners_old_one_and_the_old_runner_refuses_calls(monkeypatch):
+    from types import SimpleNamespace
+
+    from megamoe_cli.kernel_source import KernelConfig
+    from megamoe_cli.layout import MoEShape
+
+    made, closed = [], []
+
+    class FakeBuffer:
+        def __init__(self, group, *args, block_m):
+            self.device, self.closed = torch.device("cpu"), False
+            made.append(self)
+
+        def close(self):
+            closed.append(self)
+            self.closed = True
+
+    monkeypatch.setattr(fused, "SymmBuffer", FakeBuffer)
+    monkeypatch.setattr(fused, "resolve_config", lambda *a: (KernelConfig(block_m=64), "default"))
+    monkeypatch.setattr(fused, "transform_weights_for_mega_moe", lambda *a: (None, None))
+    monkeypatch.setattr(fused.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(fused, "_BUFFERS", {})
+    shape = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)
+
+    def problem(max_tokens):
+        return SimpleNamespace(shape=shape, world_size=4, num_max_tokens_per_rank=max_tokens, num_tokens=8,
+                               w1=None, w1_sf=None, w2=None, w2_sf=None)
+
+    first = fused._FusedRunner(problem(128), None, {})
+    again = fused._FusedRunner(problem(128), None, {})  # same buffer key: reused, nothing closed
+    assert again.buf is first.buf and closed == []
+    second = fused._FusedRunner(problem(256), None, {})  # a new key: the old buffer is closed first
+    assert closed == [first.buf] and second.buf is made[1]
+    with pytest.raises(MegaMoEError, match="SymmBuffer was closed"):
+        first()
 
 
 class _FakeCudaTensor:

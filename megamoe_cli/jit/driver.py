@@ -254,8 +254,9 @@ _ipc_opened: Dict[Tuple[int, bytes], list] = {}
 def ipc_open(handle: bytes, offset: int, device: int) -> int:
     """``device``'s address of another process's allocation (``ipc_export``) plus ``offset``.
 
-    Mapped in ``device``'s primary context with peer access enabled as needed, so its kernels
-    reach the allocation whether it lives on that GPU or on an NVLink peer.  Mapped once per
+    Mapped in ``device``'s primary context (left current: callers pass the device they run
+    on) with peer access enabled as needed, so its kernels reach the allocation whether it
+    lives on that GPU or on an NVLink peer.  Mapped once per
     (device, allocation) and counted: every ``ipc_open`` needs one ``ipc_close``, and the
     last one unmaps it (an exporter's allocator may hand the same allocation out again, to a
     second buffer, while the first is still mapped)."""
