@@ -126,7 +126,6 @@ def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: 
     or mapping fails tells the others, so every rank raises instead of waiting for it."""
     from .jit import driver
 
-    buffer = None
     try:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         mine: object = driver.ipc_export(buffer.data_ptr(), device.index)
@@ -250,7 +249,7 @@ class SymmBuffer:
         Only buffers mapped through CUDA IPC (``shares_gpus``) hold mappings of their own: each
         rank waits for its device, unmaps its peers' buffers, then waits for every rank, so that
         no peer still maps this rank's memory when it is freed; such a buffer then refuses further
-        calls (a CUDA graph captured on it must not be replayed: that is not checked).
+        calls (the layer runner refuses its graph replays too; a graph captured elsewhere is not checked).
         Symmetric-memory buffers are left to torch: for them this does nothing."""
         if self.closed or not self.shares_gpus:
             return

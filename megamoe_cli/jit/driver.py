@@ -256,10 +256,10 @@ def ipc_open(handle: bytes, offset: int, device: int) -> int:
 
     Mapped in ``device``'s primary context (left current: callers pass the device they run
     on) with peer access enabled as needed, so its kernels reach the allocation whether it
-    lives on that GPU or on an NVLink peer.  Mapped once per
-    (device, allocation) and counted: every ``ipc_open`` needs one ``ipc_close``, and the
-    last one unmaps it (an exporter's allocator may hand the same allocation out again, to a
-    second buffer, while the first is still mapped)."""
+    lives on that GPU or on an NVLink peer.  Mapped once per (device, allocation) and
+    counted: every ``ipc_open`` needs one ``ipc_close``, and the last one unmaps it (an
+    exporter's allocator may hand the same allocation out again, to a second buffer, while
+    the first is still mapped)."""
     raw = ipc_handle_from_bytes(handle)
     ensure_context(device)
     with _lock:
