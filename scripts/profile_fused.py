@@ -46,7 +46,8 @@ def main() -> None:
                     help="also the kernel's device time per call with 20 calls back to back (no host gaps or barriers)")
     ap.add_argument("--b2b-given", action="store_true",
                     help="with --b2b: also 20 calls back to back with the inputs given to mega_moe (the kernel copies "
-                         "them into the buffer, as a graph-replayed decode step does), so the input copy is timed too")
+                         "them into the buffer, as a graph-replayed decode step does), so the input copy is timed too; its "
+                         "samples alternate with the plain ones")
     ap.add_argument("--given", action="store_true",
                     help="every kernel call (timed, back to back and profiled) gets the inputs given to mega_moe, so "
                          "the kernel copies them into the buffer first, as the layer call and a graph replay do")
@@ -129,27 +130,31 @@ def main() -> None:
                     into.append(start.elapsed_time(end) * 1e3)
             us = slowest(statistics.median(times))
             layer_us = slowest(statistics.median(layer_times))
-            def back_to_back(call) -> float:
-                """Median over iters of 20 calls back to back (no host gaps or barriers), per call, slowest rank."""
-                per_call = []
+            def back_to_back(*calls) -> list:
+                """Per call: median over iters of 20 calls back to back (no host gaps or barriers), per call,
+                slowest rank.  The calls' samples alternate, so a clock that drifts over the run (the GPU
+                heats up under prefill) weighs on each of them alike."""
+                per_call = [[] for _ in calls]
                 for _ in range(args.iters):
-                    if world > 1:
-                        dist.barrier()
-                    synchronize(runner.buf)
-                    call()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(20):
+                    for call, samples in zip(calls, per_call):
+                        if world > 1:
+                            dist.barrier()
+                        synchronize(runner.buf)
                         call()
-                    end.record()
-                    synchronize(runner.buf)
-                    per_call.append(start.elapsed_time(end) * 1e3 / 20)
-                return slowest(statistics.median(per_call))
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        for _ in range(20):
+                            call()
+                        end.record()
+                        synchronize(runner.buf)
+                        samples.append(start.elapsed_time(end) * 1e3 / 20)
+                return [slowest(statistics.median(samples)) for samples in per_call]
 
-            if args.b2b:
-                b2b_us = back_to_back(kernel_call)
-            if args.b2b_given:  # with --given the loop above already timed these calls
-                b2b_given_us = b2b_us if args.given else back_to_back(given_call(runner))
+            if args.b2b_given and not args.given:  # samples of both kinds of call, alternated
+                b2b_us, b2b_given_us = back_to_back(kernel_call, given_call(runner))
+            elif args.b2b:  # with --given, kernel_call already gives the inputs
+                (b2b_us,) = back_to_back(kernel_call)
+                b2b_given_us = b2b_us
             tflops = pairs * shape.flops_per_pair() / us / 1e6
             gbps = weight_bytes / us / 1e3
             say(f"{tokens:>7} {fields[0]:>7} {fields[1]:>6} {config.get('num_sms', 0):>4} {config.get('cluster_m', 1):>3} {us:>10.1f} "

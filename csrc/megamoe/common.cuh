@@ -108,6 +108,7 @@ constexpr uint32_t kStageTxBytes = kSmemABytes + kSmemBBytes + kSmemSfaBytes;
 constexpr uint32_t kBarSchedule = 1;   // all threads: schedule in shared memory is ready
 constexpr uint32_t kBarDispatch = 2;   // dispatch warps
 constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
+constexpr uint32_t kBarPublish = 4;    // 4 and 5 (L1-tile parity): consumer warpgroups -> publisher warp
 
 // Profiling build counters (cycles unless said; per sampling thread, summed over CTAs)
 enum ProfileSlot : uint32_t {

@@ -307,18 +307,19 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
     const float* topk_weights = at<float>(p, p.off_topk_weights);
     uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
 
-#ifdef MEGAMOE_EXP_PULL1  // diagnostic: one pulling warp per CTA instead of kNumDispatchWarps
+#ifdef MEGAMOE_EXP_PULL1  // diagnostic: one pulling warp per CTA instead of two
     constexpr uint32_t kPullWarps = 1;
     if (dispatch_warp >= kPullWarps)
         return;
 #else
-    constexpr uint32_t kPullWarps = kNumDispatchWarps;
+    constexpr uint32_t kPullWarps = kNumDispatchWarps - 1;  // the last one publishes L1 tiles
 #endif
     if (s.direct)
         return;  // the sources pushed every row (push_rows)
     const uint32_t num_rows = s.num_rows();
-    const uint32_t num_warps = gridDim.x * kPullWarps;
-    for (uint32_t j = blockIdx.x * kPullWarps + dispatch_warp; j < num_rows; j += num_warps) {
+    // The grid size is read again per row: held in a register across the row copy, it spilled
+    // at the producer warpgroup's 56 registers.
+    for (uint32_t j = blockIdx.x * kPullWarps + dispatch_warp; j < num_rows; j += ptx::num_ctas() * kPullWarps) {
         const uint32_t e = Schedule::upper_expert(s.row_start, j);
         const uint32_t row_in_expert = j - s.row_start[e];
         uint32_t src = 0;

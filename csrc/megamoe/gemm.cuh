@@ -18,6 +18,8 @@ struct SharedStorage {
     // L1; {half 0, -, half 1, -} for L2 (copied by the producer with the stage)
     alignas(16) float sfb[kNumStages][4];
     float row_amax[2][64];
+    // L1 tiles handed to the publisher warp (publish_l1_tiles): {ready word index, bit}, by parity
+    uint2 publish_slot[2];
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
     // The stage's tile as the producer decoded it (pack_tile), or kNoMoreTiles in .x
@@ -394,6 +396,15 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
     return in;
 }
 
+// The consumers' side of publish_l1_tiles, by L1-tile parity.  (Constant barrier ids: with an
+// id in a register ptxas reserves all 16.)
+__device__ __forceinline__ void publish_arrive(uint32_t parity) {
+    if (parity)
+        ptx::named_bar_arrive(kBarPublish + 1, kNumConsumerThreads + 32);
+    else
+        ptx::named_bar_arrive(kBarPublish, kNumConsumerThreads + 32);
+}
+
 // L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
 // per row per 128 channels.  Tile half c holds channels [64 c, 64 c + 64) of the tile's
 // 128; inside a half, accumulator column 16 g + i is gate channel 8 g + i, 16 g + 8 + i up.
@@ -403,7 +414,7 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
 template <typename Slice>
 __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
                                             float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
-                                            const EpilogueInputs& in) {
+                                            const EpilogueInputs& in, uint32_t& l1_tiles) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
@@ -475,15 +486,40 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
         pool_sf[r0 + 8] = sf[1];
     }
     // NOTES: the L2 producer reads these columns with TMA (async proxy) after acquiring the
-    // block's ready bit of this N tile, so every writer fences the proxies before the block
-    // barrier, the fence and the relaxed OR that publish the tile (a release pattern).
+    // block's ready bit of this N tile, so every writer fences the proxies, then arrives at the
+    // publisher warp's barrier; that warp's fence and relaxed OR publish the tile (a release
+    // pattern, cumulative over every writer's stores through the barrier: publish_l1_tiles).
+    // The consumers go on to their next tile without waiting for each other or for the fence
+    // (notes entry 64: it was a barrier of both warpgroups and thread 0's fence and OR).
     MEGAMOE_PROF(if (tid % 128 == 0) ss.prof[slice.wg][7] = clock64();)
     ptx::fence_proxy_async_global();
-    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-    if (tid % kNumConsumerThreads == 0) {
-        __threadfence();  // with the relaxed OR below: a release pattern (ptx.cuh)
-        ptx::red_relaxed_gpu_or_u32(at<uint32_t>(p, p.off_l2_arrival) + tile.block * kL2ReadyWords + tile.n / 32,
-                                    1u << (tile.n % 32));
+    const uint32_t parity = l1_tiles++ & 1;
+    if (tid % kNumConsumerThreads == 0)
+        ss.publish_slot[parity] = make_uint2(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32));
+    publish_arrive(parity);
+}
+
+// The publisher warp (the last dispatch warp): for every L1 tile of this CTA, once both
+// consumer warpgroups arrived (after their stores and proxy fences), one fence and the relaxed
+// OR of the tile's ready bit, off the consumers' path.  The consumers end the sequence with
+// kNoMoreTiles after their last tile (consumer_role).
+// NOTES: two barriers by tile parity: the consumers arrive for tile i + 2 (rewriting slot
+// i % 2) only after a whole tile's main loop, long after this warp read slot i % 2.  A
+// consumer that fails (fail) traps the grid, so this warp never waits for a missing arrival.
+__device__ __forceinline__ void publish_l1_tiles(const Params& p, SharedStorage& ss, uint32_t lane) {
+    uint32_t* ready = at<uint32_t>(p, p.off_l2_arrival);
+    for (uint32_t i = 0;; ++i) {
+        if (i & 1)
+            ptx::named_bar_sync(kBarPublish + 1, kNumConsumerThreads + 32);
+        else
+            ptx::named_bar_sync(kBarPublish, kNumConsumerThreads + 32);
+        const uint2 w = ss.publish_slot[i & 1];
+        if (w.x == kNoMoreTiles)
+            return;
+        if (lane == 0) {
+            __threadfence();  // cumulative over the consumers' stores (the barrier orders them before it)
+            ptx::red_relaxed_gpu_or_u32(ready + w.x, w.y);
+        }
     }
 }
 
@@ -537,7 +573,7 @@ constexpr uint32_t kConsumerOk = 0xffffffffu;
 template <bool kNarrow>
 __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss, const Tile& tile, uint32_t wg,
                                              uint32_t tid, uint32_t& it, float (&acc)[64 * kNumHalvesPerWg],
-                                             float (&part)[64], bool prof, uint64_t* prof_c) {
+                                             float (&part)[64], bool prof, uint64_t* prof_c, uint32_t& l1_tiles) {
     using Slice = WgSlice<kNarrow>;
     const Slice slice{wg};
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
@@ -629,7 +665,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     if (tile.is_l2)
         epilogue_l2(p, ss, tile, acc, slice, tid, in);
     else
-        epilogue_l1(p, ss, tile, acc, slice, tid, in);
+        epilogue_l1(p, ss, tile, acc, slice, tid, in, l1_tiles);
     MEGAMOE_PROF(if (prof && tile.is_l2) {
         prof_c[kProfEpilogueL2] += clock64() - prof_t2;
         prof_c[kProfTilesL2] += 1;
@@ -642,7 +678,8 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     return kConsumerOk;
 }
 
-__device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
+__device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
+                                                  uint32_t& l1_tiles) {
     const uint32_t lane = tid % 32;
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
@@ -674,10 +711,10 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
             // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
             const bool narrow = tile.rows <= 64;
-            status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c)
-                            : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c);
+            status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c, l1_tiles)
+                            : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c, l1_tiles);
         } else {
-            status = run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c);
+            status = run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c, l1_tiles);
         }
         if (status != kConsumerOk)
             return status;

@@ -3,7 +3,8 @@
 //                 (the profile's consumer start slot includes it)
 //   warp 0        TMA producer for both GEMMs
 //   warps 1-3     dispatch: count (into the owners' counters; small calls also push their rows
-//                 into the owners' direct pools) -> exchange -> schedule -> pull (not on the direct pool)
+//                 into the owners' direct pools) -> exchange -> schedule -> pull (warps 1-2,
+//                 not on the direct pool); warp 3 then publishes the L1 tiles (publish_l1_tiles)
 //   warpgroups 1-2  WGMMA consumers: L1 + SwiGLU, L2 + combine push; then barrier,
 //                 cleanup and the top-k reduce into y
 // One CTA per SM, all co-resident (the exchange and the combine barrier wait for every CTA).
@@ -98,6 +99,10 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
     ptx::named_bar_arrive(kBarSchedule, kNumThreads);
 
     MEGAMOE_PROF(if (dispatch_thread == 0) ss.prof[2][5] = clock64();)
+    if (dispatch_thread / 32 == kNumDispatchWarps - 1) {  // the publisher warp
+        publish_l1_tiles(p, ss, dispatch_thread % 32);
+        return;
+    }
     dispatch_pull(p, s, dispatch_thread / 32, dispatch_thread % 32);
     MEGAMOE_PROF(if (dispatch_thread == 0) {
         MEGAMOE_PROF_ADD(kProfDispatchSchedule, ss.prof[2][5] - ss.prof[2][4]);
@@ -111,9 +116,14 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     MEGAMOE_PROF(const bool prof = tid % 128 == 0;
                  if (prof) { MEGAMOE_PROF_ADD(kProfConsumerStart, clock64() - ss.prof[2][3]);
                              MEGAMOE_PROF_ADD(kProfSamplers, 1); })
-    const uint32_t stuck = consumer_loop(p, ss, wg, tid);
+    uint32_t l1_tiles = 0;
+    const uint32_t stuck = consumer_loop(p, ss, wg, tid, l1_tiles);
     if (stuck != kConsumerOk)
         fail(p, kPhasePipeline, stuck, stuck ^ 1, 0);
+    // The publisher warp's last barrier: no more L1 tiles
+    if (ct == 0)
+        ss.publish_slot[l1_tiles & 1] = make_uint2(kNoMoreTiles, 0);
+    publish_arrive(l1_tiles & 1);
     MEGAMOE_PROF(if (prof) ss.prof[wg][8] = clock64();)
 
     // The reduce's warps: warp w of CTA b is reduce warp w * grid + b, so the few units of a

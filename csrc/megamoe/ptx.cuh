@@ -14,6 +14,13 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
     return t;
 }
 
+// The grid's CTA count, read again at every call (not a value ptxas keeps in a register)
+__device__ __forceinline__ uint32_t num_ctas() {
+    uint32_t n;
+    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+    return n;
+}
+
 // Barriers and mbarriers
 __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t num_threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
