@@ -301,12 +301,6 @@ __device__ __forceinline__ void build_schedule(const Params& p, Schedule& s, uin
 // pool via TMA.
 __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s, uint32_t dispatch_warp,
                                               uint32_t lane) {
-    const int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx);
-    const uint8_t* x = at<uint8_t>(p, p.off_x);
-    const float* x_sf = at<float>(p, p.off_x_sf);
-    const float* topk_weights = at<float>(p, p.off_topk_weights);
-    uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
-
 #ifdef MEGAMOE_EXP_PULL1  // diagnostic: one pulling warp per CTA instead of two
     constexpr uint32_t kPullWarps = 1;
     if (dispatch_warp >= kPullWarps)
@@ -317,9 +311,16 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
     if (s.direct)
         return;  // the sources pushed every row (push_rows)
     const uint32_t num_rows = s.num_rows();
-    // The grid size is read again per row: held in a register across the row copy, it spilled
-    // at the producer warpgroup's 56 registers.
+    // The grid size and the buffer's addresses are derived again per row: held in registers
+    // across the row copy, they spilled at the producer warpgroup's 56 registers.  `delta` is
+    // 0 (s.direct, read by a volatile load that ptxas cannot hoist, so neither the addresses).
     for (uint32_t j = blockIdx.x * kPullWarps + dispatch_warp; j < num_rows; j += ptx::num_ctas() * kPullWarps) {
+        const int64_t delta = ptx::ld_volatile_shared_u32(&s.direct);
+        const int32_t* src_table = at<int32_t>(p, p.off_src_token_topk_idx + delta);
+        const uint8_t* x = at<uint8_t>(p, p.off_x + delta);
+        const float* x_sf = at<float>(p, p.off_x_sf + delta);
+        const float* topk_weights = at<float>(p, p.off_topk_weights + delta);
+        uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival + delta);
         const uint32_t e = Schedule::upper_expert(s.row_start, j);
         const uint32_t row_in_expert = j - s.row_start[e];
         uint32_t src = 0;
@@ -336,7 +337,7 @@ __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s
         copy_pair_row<4>(p, map_to_rank(p, x + static_cast<uint64_t>(token) * kHidden, src),
                       map_to_rank(p, x_sf + static_cast<uint64_t>(token) * (kHidden / 128), src),
                       map_to_rank(p, topk_weights + pair, src),
-                      make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(k), 0), pool_row, 0, 0,
+                      make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(k), 0), pool_row, delta, 0,
                       kHidden / 16, true, lane);
         ptx::fence_proxy_async_global();
         __syncwarp();

@@ -55,6 +55,14 @@ __device__ __forceinline__ float ld_shared_f32(const float* ptr) {
     return v;
 }
 
+// A volatile load: ptxas neither hoists nor merges it, so what is derived from it is computed
+// after it, where it is used (dispatch_pull)
+__device__ __forceinline__ uint32_t ld_volatile_shared_u32(const uint32_t* ptr) {
+    uint32_t v;
+    asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(ptr)) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4_u32(const uint4* ptr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
