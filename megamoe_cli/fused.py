@@ -70,6 +70,10 @@ _PHASES = {
     8: "topk_idx out of range",
     9: "too many pairs for one expert (a token repeats an expert)",
     10: "cluster tile forward (the leader CTA's next tile)",
+    11: "L1-tile publication (the CTA's publisher warp fell behind its consumers; expected: L1 tiles it "
+        "should have taken, observed: L1 tiles it took, index: the consumers' next L1 tile)",
+    12: "L1-tile publication slot out of sequence (expected: the publisher warp's tile, observed: the slot's; "
+        "index: its ready word)",
 }
 _DIAG_MAGIC = 0x4D4F4521
 
@@ -669,7 +673,7 @@ def mega_moe(
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
     # Plans live on the buffer (they die with it); weight addresses, shapes, strides and dtypes
     # (not object ids, which are reused) identify a validated plan.
-    key = (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS),
+    key = (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), experiment_defines(),
            *((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (l1.weight, l1.scale, l2.weight, l2.scale)))
     plan = buf.plans.get(key)
     if plan is None:

@@ -201,8 +201,11 @@ def pack_params(
 ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
 # Diagnostic builds (timing only; NOPROMO / SAME_A / SAME_B give wrong results on purpose, PULL1
 # pulls tokens with one warp per CTA, STATIC_TILES takes tiles in a static round robin instead of
-# from the atomic counter): see csrc/megamoe/gemm.cuh and dispatch.cuh.
-EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1", "STATIC_TILES")
+# from the atomic counter; fault injection: SLOW_PUBLISHER starts the L1 publisher warp 2 ms late
+# (correct results), STUCK_PUBLISHER never lets it publish (a timeout diagnostic)): see
+# csrc/megamoe/gemm.cuh and dispatch.cuh.
+EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1", "STATIC_TILES", "SLOW_PUBLISHER",
+               "STUCK_PUBLISHER")
 
 
 def experiment_defines() -> Tuple[str, ...]:

@@ -15,7 +15,15 @@ Cases:
 * ``repeated_expert``: every top-k slot of every token names expert 0, so that expert receives
   ``num_topk`` times more pairs from this rank than the buffer has rows for;
 * ``missing_rank``: the last rank skips the call and sleeps, the others wait for it until
-  ``MEGAMOE_TIMEOUT_S`` (run under ``torchrun --nproc-per-node 2`` or more).
+  ``MEGAMOE_TIMEOUT_S`` (run under ``torchrun --nproc-per-node 2`` or more);
+* ``slow_publisher``: every call runs the ``SLOW_PUBLISHER`` build (each CTA's L1 publisher
+  warp starts 2 ms late, so consumers with a third L1 tile wait for it); the call's output is
+  compared with the reference (exit 0 and ``matches the reference``, or exit 4);
+* ``stuck_publisher``: after the valid call, the ``STUCK_PUBLISHER`` build (the publisher
+  never publishes): the consumers' wait for it times out with its diagnostic.
+
+The publisher cases run ``PUBLISHER_TOKENS`` tokens on ``PUBLISHER_SMS`` SMs with block_m 64,
+so every CTA takes more than two L1 tiles.
 
 ``--tokens`` sets the call's tokens (and the buffer's): at most 96 pairs (24 tokens at top-4) are
 counted by one CTA in shared memory, more by atomics on the owners' counters; each path has its
@@ -38,10 +46,17 @@ import torch.distributed as dist
 
 from megamoe_cli.errors import MegaMoETimeout
 from megamoe_cli.fused import FusedBackend, mega_moe, synchronize
+from megamoe_cli.kernel_source import ENV_EXPERIMENT
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_problem
+from megamoe_cli.reference import moe_reference_distributed
 
-CASES = ("bad_topk", "repeated_expert", "missing_rank")
+CASES = ("bad_topk", "repeated_expert", "missing_rank", "slow_publisher", "stuck_publisher")
+PUBLISHER_TOKENS = 256  # 1024 pairs: ~64 rows per expert, ~25 blocks of 64, ~50 L1 tiles
+PUBLISHER_SMS = 4  # a CTA holds at most 4 L1 tiles when its consumers stop (3 + a ring of 4 stages)
+PUBLISHER_CONFIG = {"block_m": 64, "num_stages": 4, "num_sms": PUBLISHER_SMS}
+MAX_REL_ERR = 2e-2
+EXIT_MISMATCH = 4
 SHAPE = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)
 NUM_TOKENS = 16  # 64 pairs: the shared-memory count; 32 tokens (128 pairs) take the atomics
 # The pair (token 5, slot 1) of the bad_topk case: the diagnostic's index names it.
@@ -92,17 +107,32 @@ def main() -> None:
         dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", local_rank))
         group = dist.group.WORLD
 
-    tokens = args.tokens
+    publisher = args.case in ("slow_publisher", "stuck_publisher")
+    tokens = PUBLISHER_TOKENS if publisher else args.tokens
+    if args.case == "slow_publisher":
+        os.environ[ENV_EXPERIMENT] = "SLOW_PUBLISHER"
     problem = make_problem(SHAPE, rank, world_size, tokens, tokens, "cuda", seed=0)
-    runner = FusedBackend().prepare(problem, group, {})
+    runner = FusedBackend().prepare(problem, group, dict(PUBLISHER_CONFIG) if publisher else {})
     buf = runner.buf
+    runner.y.fill_(float("nan"))
     runner()
     synchronize(buf)
     say(rank, "a valid call finished")
     if group is not None:
         dist.barrier(group=group)
 
-    if args.case == "bad_topk":
+    if args.case == "slow_publisher":
+        ref = moe_reference_distributed(problem, group)
+        err = float((runner.y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+        if not (torch.isfinite(runner.y).all() and err < MAX_REL_ERR):
+            say(rank, f"the call does not match the reference: rel_err {err:.3e} (at most {MAX_REL_ERR:g} expected)")
+            finish(EXIT_MISMATCH)
+        say(rank, f"the call matches the reference: rel_err {err:.3e}")
+        finish(0)
+
+    if args.case == "stuck_publisher":
+        os.environ[ENV_EXPERIMENT] = "STUCK_PUBLISHER"  # a new build, and a new plan for it
+    elif args.case == "bad_topk":
         buf.topk_idx[:tokens].view(-1)[BAD_PAIR] = BAD_EXPERT
     elif args.case == "repeated_expert":
         buf.topk_idx[:tokens].fill_(0)

@@ -167,6 +167,26 @@ def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch)
         assert f"MEGAMOE_EXP_{name}" in text
 
 
+def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch):
+    """The fault-injection builds the GPU tier's publisher probes run (scripts/fault_probe.py) are
+    kernels like the others: no spills (the runtime would refuse them) and no serialized WGMMAs."""
+    from megamoe_cli.kernel_source import ENV_EXPERIMENT
+
+    monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
+    from megamoe_cli.layout import MoEShape
+
+    # scripts/fault_probe.py's shape and publisher config
+    v = Variant(MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4), 1, 256, 64, 4, 1)
+    for name in ("SLOW_PUBLISHER", "STUCK_PUBLISHER"):
+        monkeypatch.setenv(ENV_EXPERIMENT, name)
+        source = kernel_build_source(v)
+        assert f"#define MEGAMOE_EXP_{name} 1" in source.source
+        (kernel,) = build([source])
+        entry = kernel.report[KERNEL_NAME]
+        assert not entry.has_spills and entry.stack_frame_bytes == 0, f"{name}: {kernel.report.summary()}"
+        assert not kernel.report.serialized_wgmma, f"{name}: {kernel.report.serialized_wgmma}"
+
+
 def test_the_mainloop_microbenchmark_compiles_without_spills_or_serialized_wgmma(tmp_path):
     import subprocess
 

@@ -164,6 +164,8 @@ enum Phase : uint32_t {
     kPhaseBadTopkIdx = 8,
     kPhaseTooManyPairs = 9,
     kPhaseClusterTile = 10,
+    kPhasePublish = 11,       // consumers: the publisher warp did not take their L1 tiles in time
+    kPhasePublishSlot = 12,   // publisher: a slot out of sequence (cannot happen while the consumers wait)
 };
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }

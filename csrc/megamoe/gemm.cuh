@@ -18,8 +18,11 @@ struct SharedStorage {
     // L1; {half 0, -, half 1, -} for L2 (copied by the producer with the stage)
     alignas(16) float sfb[kNumStages][4];
     float row_amax[2][64];
-    // L1 tiles handed to the publisher warp (publish_l1_tiles): {ready word index, bit}, by parity
-    uint2 publish_slot[2];
+    // L1 tiles handed to the publisher warp (publish_l1_tiles), by parity: {ready word index,
+    // bit, the tile's sequence number among this CTA's L1 tiles, -}
+    alignas(16) uint4 publish_slot[2];
+    // L1 tiles the publisher warp has taken from the slots (publisher_caught_up)
+    uint32_t publish_taken;
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
     // The stage's tile as the producer decoded it (pack_tile), or kNoMoreTiles in .x
@@ -396,6 +399,27 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
     return in;
 }
 
+// Slot seq % 2 and its barrier are free again once the publisher warp has taken L1 tile seq - 2
+// (it counts the tiles it took in publish_taken).  The consumers run a whole L1 tile between
+// two arrivals of one parity, so this holds at once unless the publisher stalls; if they
+// arrived first, tiles seq - 2 and seq would fill one barrier phase and the publisher would
+// miss a tile.  Every consumer thread checks before it arrives; false after half of
+// p.timeout_ns (the caller reports it outside the K loop: kConsumerPublisherLate).  Half: the
+// publisher waits for nobody but these consumers, while this CTA's producer (empty stages)
+// and the L2 tiles everywhere (ready bits) wait for this wait, so it must time out first and
+// name the publisher, not what it held up.
+__device__ __forceinline__ bool publisher_caught_up(const Params& p, SharedStorage& ss, uint32_t seq) {
+    if (seq < 2 || ptx::ld_volatile_shared_u32(&ss.publish_taken) + 1 >= seq)
+        return true;
+    const uint64_t start = ptx::globaltimer_ns();
+    uint32_t iter = 0;
+    while (ptx::ld_volatile_shared_u32(&ss.publish_taken) + 1 < seq) {
+        if ((++iter & 255u) == 0 && ptx::globaltimer_ns() - start > p.timeout_ns / 2)
+            return false;
+    }
+    return true;
+}
+
 // The consumers' side of publish_l1_tiles, by L1-tile parity.  (Constant barrier ids: with an
 // id in a register ptxas reserves all 16.)
 __device__ __forceinline__ void publish_arrive(uint32_t parity) {
@@ -412,7 +436,7 @@ __device__ __forceinline__ void publish_arrive(uint32_t parity) {
 // of the half, so each lane stores its 16 values of a row as one 16-byte vector; W2's K
 // columns carry the same permutation (transform_weights_for_mega_moe).
 template <typename Slice>
-__device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
+__device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
                                             float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
                                             const EpilogueInputs& in, uint32_t& l1_tiles) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
@@ -493,32 +517,58 @@ __device__ __forceinline__ void epilogue_l1(const Params& p, SharedStorage& ss, 
     // (notes entry 64: it was a barrier of both warpgroups and thread 0's fence and OR).
     MEGAMOE_PROF(if (tid % 128 == 0) ss.prof[slice.wg][7] = clock64();)
     ptx::fence_proxy_async_global();
-    const uint32_t parity = l1_tiles++ & 1;
+    const uint32_t seq = l1_tiles;
+    if (!publisher_caught_up(p, ss, seq))
+        return false;
+    ++l1_tiles;
     if (tid % kNumConsumerThreads == 0)
-        ss.publish_slot[parity] = make_uint2(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32));
-    publish_arrive(parity);
+        ss.publish_slot[seq & 1] = make_uint4(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32), seq, 0);
+    publish_arrive(seq & 1);
+    return true;
 }
 
 // The publisher warp (the last dispatch warp): for every L1 tile of this CTA, once both
 // consumer warpgroups arrived (after their stores and proxy fences), one fence and the relaxed
 // OR of the tile's ready bit, off the consumers' path.  The consumers end the sequence with
 // kNoMoreTiles after their last tile (consumer_role).
-// NOTES: two barriers by tile parity: the consumers arrive for tile i + 2 (rewriting slot
-// i % 2) only after a whole tile's main loop, long after this warp read slot i % 2.  A
-// consumer that fails (fail) traps the grid, so this warp never waits for a missing arrival.
+// NOTES: two barriers by tile parity.  The consumers arrive for tile i + 2 (rewriting slot
+// i % 2) only after this warp counted tile i in publish_taken (publisher_caught_up), so one
+// barrier phase never holds the arrivals of two tiles; the slot's sequence number checks
+// that.  The consumers run a whole tile's main loop between two arrivals of one parity, so
+// they normally find tile i taken long before.  A consumer that fails (fail) traps the
+// grid, so this warp never waits for a missing arrival.
+// (MEGAMOE_EXP_SLOW_PUBLISHER, fault injection: this warp starts 2 ms late, so the
+// consumers of a CTA with 3 or more L1 tiles wait for it; MEGAMOE_EXP_STUCK_PUBLISHER: it
+// never publishes, and the consumers' wait times out with a diagnostic.)
 __device__ __forceinline__ void publish_l1_tiles(const Params& p, SharedStorage& ss, uint32_t lane) {
     uint32_t* ready = at<uint32_t>(p, p.off_l2_arrival);
     for (uint32_t i = 0;; ++i) {
+#if defined(MEGAMOE_EXP_SLOW_PUBLISHER) || defined(MEGAMOE_EXP_STUCK_PUBLISHER)
+        if (i == 0 && lane == 0) {
+#ifdef MEGAMOE_EXP_STUCK_PUBLISHER
+            while (true)  // until a timeout traps the grid
+                __nanosleep(100000);
+#endif
+            const uint64_t until = ptx::globaltimer_ns() + 2000000;  // 2 ms
+            while (ptx::globaltimer_ns() < until)
+                __nanosleep(10000);
+        }
+        __syncwarp();
+#endif
         if (i & 1)
             ptx::named_bar_sync(kBarPublish + 1, kNumConsumerThreads + 32);
         else
             ptx::named_bar_sync(kBarPublish, kNumConsumerThreads + 32);
-        const uint2 w = ss.publish_slot[i & 1];
+        const uint4 w = ss.publish_slot[i & 1];
+        if (w.z != i && lane == 0)  // cannot happen while the consumers wait for publish_taken
+            fail(p, kPhasePublishSlot, i, w.z, w.x);
         if (w.x == kNoMoreTiles)
             return;
         if (lane == 0) {
             __threadfence();  // cumulative over the consumers' stores (the barrier orders them before it)
             ptx::red_relaxed_gpu_or_u32(ready + w.x, w.y);
+            // After the OR, which uses the slot's words: the slot is read before it is freed
+            *reinterpret_cast<volatile uint32_t*>(&ss.publish_taken) = i + 1;
         }
     }
 }
@@ -568,6 +618,7 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 // with the row's A scale and the half's B scale(s).  Returns kConsumerOk, or the parity of
 // a stage wait that timed out (the caller reports it: no call inside this loop).
 constexpr uint32_t kConsumerOk = 0xffffffffu;
+constexpr uint32_t kConsumerPublisherLate = 0xfffffffeu;  // publisher_caught_up timed out
 
 // One tile: main loop and epilogue, for the warpgroup's slice of it.
 template <bool kNarrow>
@@ -664,8 +715,8 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     })
     if (tile.is_l2)
         epilogue_l2(p, ss, tile, acc, slice, tid, in);
-    else
-        epilogue_l1(p, ss, tile, acc, slice, tid, in, l1_tiles);
+    else if (!epilogue_l1(p, ss, tile, acc, slice, tid, in, l1_tiles))
+        return kConsumerPublisherLate;
     MEGAMOE_PROF(if (prof && tile.is_l2) {
         prof_c[kProfEpilogueL2] += clock64() - prof_t2;
         prof_c[kProfTilesL2] += 1;

@@ -118,11 +118,13 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
                              MEGAMOE_PROF_ADD(kProfSamplers, 1); })
     uint32_t l1_tiles = 0;
     const uint32_t stuck = consumer_loop(p, ss, wg, tid, l1_tiles);
-    if (stuck != kConsumerOk)
+    if (stuck == kConsumerPublisherLate || (stuck == kConsumerOk && !publisher_caught_up(p, ss, l1_tiles)))
+        fail(p, kPhasePublish, l1_tiles - 1, ptx::ld_volatile_shared_u32(&ss.publish_taken), l1_tiles);
+    else if (stuck != kConsumerOk)
         fail(p, kPhasePipeline, stuck, stuck ^ 1, 0);
     // The publisher warp's last barrier: no more L1 tiles
     if (ct == 0)
-        ss.publish_slot[l1_tiles & 1] = make_uint2(kNoMoreTiles, 0);
+        ss.publish_slot[l1_tiles & 1] = make_uint4(kNoMoreTiles, 0, l1_tiles, 0);
     publish_arrive(l1_tiles & 1);
     MEGAMOE_PROF(if (prof) ss.prof[wg][8] = clock64();)
 
@@ -189,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         #pragma unroll
         for (uint32_t i = 0; i < kTileSlots; ++i)
             ss.tile_slot[i] = 0;  // before the cluster barrier: the leader's forwards come after it
+        ss.publish_taken = 0;
         ptx::fence_mbarrier_init();
         ptx::fence_proxy_async_shared();
         // Every CTA's copy: its rank waits need it.  Block 0 advances it only at the very end,

@@ -335,3 +335,39 @@ def test_a_rank_that_never_arrives_times_out_with_a_diagnostic(tmp_path):
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, "a rank outlived the run"
+
+
+def test_a_late_l1_publisher_holds_the_consumers_back_and_the_result_is_right(tmp_path):
+    """Each CTA's L1 publisher warp starts 2 ms late (SLOW_PUBLISHER build), so the consumers of
+    every CTA (4 SMs, ~50 L1 tiles) finish a third L1 tile before it took the first.  They must
+    wait for it: arriving anyway would put two tiles' arrivals in one barrier phase, leave a
+    ready bit unset and end in an L2-arrival timeout."""
+    needs_own_processes()
+    code, out = run_probe([sys.executable, str(PROBE_PATH), "--case", "slow_publisher", "--pid-dir", str(tmp_path)],
+                          tmp_path, MEGAMOE_TIMEOUT_S="20")
+    assert code == 0, out
+    match = re.search(rf"{LINE_START}rank 0: the call matches the reference: rel_err ([\d.e+-]+)$", out, re.MULTILINE)
+    assert match, out
+    assert float(match.group(1)) < MAX_REL_ERR
+
+
+def test_a_publisher_that_never_publishes_times_out_naming_it(tmp_path):
+    """STUCK_PUBLISHER: the publisher warp never takes a tile.  The consumers' wait for it (half
+    the deadline) must fire before the waits it holds up (this CTA's producer, the L2 tiles'
+    ready bits), and name the publication: CTA c's consumers stopped before their third L1 tile
+    (index 2), having seen no tile taken (expected 1, observed 0)."""
+    needs_own_processes()
+    probe = load_probe()
+    timeout_s = 4
+    code, out = run_probe([sys.executable, str(PROBE_PATH), "--case", "stuck_publisher", "--pid-dir", str(tmp_path)],
+                          tmp_path, MEGAMOE_TIMEOUT_S=str(timeout_s))
+    assert code == probe.EXIT_DIAGNOSED, out
+    assert "rank 0: a valid call finished" in out
+    seconds, diagnostic = failure_line(out)
+    assert re.fullmatch(
+        r"megamoe kernel failed on rank 0: L1-tile publication \(the CTA's publisher warp fell behind its "
+        r"consumers; expected: L1 tiles it should have taken, observed: L1 tiles it took, index: the consumers' "
+        r"next L1 tile\); CTA \d+, thread \d+, index 2: expected 1, observed 0",
+        diagnostic,
+    ), diagnostic
+    assert seconds >= timeout_s / 2, "the consumers gave up before half the deadline"
