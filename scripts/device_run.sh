@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: environment facts, kernel builds (ptxas report), the GPU
 # test tier at world size 1 and at every GPU, then benchmarks.  Logs go to $OUT.
-#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|knob|iterate|cycles|power|tiers|oversub|final|publish|record|profile|stalls|bench [args]
+#   MEGAMOE_GIT_COMMIT=<sha> scripts/device_run.sh quick|full|mainloop|microsweep|ab|knob|iterate|cycles|power|tiers|oversub|final|publish|record|profile|stalls|bench|pack [args]
+# Every mode rewrites $OUT/env.txt. Chain modes in one call with ';' and end with 'pack' when they write more
+# than 8 files (a device call returns at most 8).
 # (the copied tree has no git history: the commit recorded in result rows comes from that variable)
 # mainloop [args]: the main-loop microbenchmark (microsweep: under each operand source); ab: AB_PATCH=<diff inside the tree, e.g. an untracked
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
@@ -235,6 +237,11 @@ PY
         --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis -k megamoe_kernel \
         --launch-skip 2 --launch-count 1 python3 scripts/profile_fused.py --tokens "$2" --configs "$3" --iters 1 --warmup 1
     done
+    ;;
+  pack)  # the last step of a chained call: everything under $OUT into one $OUT/out.tar.gz (a device call
+          # returns at most 8 files), e.g. '... tiers; ... record; scripts/device_run.sh pack'
+    ( cd "$OUT" && tar --exclude=./out.tar.gz -czf /tmp/megamoe-out.tar.gz . && find . -mindepth 1 -delete &&
+      mv /tmp/megamoe-out.tar.gz out.tar.gz && ls -la out.tar.gz && tar -tzf out.tar.gz )
     ;;
   *)
     echo "unknown mode $MODE"; exit 2 ;;
