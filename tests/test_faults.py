@@ -389,6 +389,7 @@ def test_an_interrupted_bench_stops_its_ranks_and_keeps_its_rows(tmp_path):
         [sys.executable, "-m", "megamoe_cli", "bench", "--device", "cpu", "--preset", "small", "--tokens", "4,8",
          "--backend", "reference", "--warmup", "0", "--iters", "1", "--point-timeout", "120", "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=interruptible,
     )
     try:
         deadline = time.monotonic() + 120
@@ -548,10 +549,17 @@ while True:
 """
 
 
+def interruptible():
+    """preexec_fn: SIGINT back to its default in the child.  A test run started in the background
+    by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python then leaves it
+    ignored, so a SIGINT sent by the test would be lost and the child never stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_writer(path, generation):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(generation)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=interruptible)
 
 
 def temp_files(directory):
