@@ -8,6 +8,7 @@ content-hashed cache), so a rerun only pays for what changed.
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -170,13 +171,17 @@ def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch)
 def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch):
     """The fault-injection builds the GPU tier's publisher probes run (scripts/fault_probe.py) are
     kernels like the others: no spills (the runtime would refuse them) and no serialized WGMMAs."""
+    import importlib.util
+
     from megamoe_cli.kernel_source import ENV_EXPERIMENT
 
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
-    from megamoe_cli.layout import MoEShape
-
-    # scripts/fault_probe.py's shape and publisher config
-    v = Variant(MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4), 1, 256, 64, 4, 1)
+    spec = importlib.util.spec_from_file_location(
+        "fault_probe", Path(__file__).resolve().parents[1] / "scripts" / "fault_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    config = probe.PUBLISHER_CONFIG  # the probe's variant: its shape, tokens and config, one rank
+    v = Variant(probe.SHAPE, 1, probe.PUBLISHER_TOKENS, config["block_m"], config["num_stages"], 1)
     for name in ("SLOW_PUBLISHER", "STUCK_PUBLISHER"):
         monkeypatch.setenv(ENV_EXPERIMENT, name)
         source = kernel_build_source(v)
