@@ -12,11 +12,13 @@ _REDIRECTED_WIDTH = 200
 
 
 def stderr_console():
+    """Markup is off: what we print carries error text from ranks and libraries (``[/path/pair.cc:553]``),
+    which rich would otherwise read as closing tags and fail on; styles are passed as ``style=``."""
     from rich.console import Console
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, markup=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(stderr=True, width=_REDIRECTED_WIDTH)
+        console = Console(stderr=True, markup=False, width=_REDIRECTED_WIDTH)
     return console
 
 

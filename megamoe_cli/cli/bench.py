@@ -186,7 +186,7 @@ def _run(console, run_bench, points, **kwargs):
 
     from ..bench.results import STATUS_OK
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("starting ranks", total=len(points))
 
