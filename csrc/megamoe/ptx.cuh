@@ -56,7 +56,8 @@ __device__ __forceinline__ float ld_shared_f32(const float* ptr) {
 }
 
 // A volatile load: ptxas neither hoists nor merges it, so what is derived from it is computed
-// after it, where it is used (dispatch_pull)
+// after it, where it is used (dispatch_pull's direct-pool word; publish_taken, which the L1
+// publisher warp advances while the consumers and the end-of-tiles check poll it)
 __device__ __forceinline__ uint32_t ld_volatile_shared_u32(const uint32_t* ptr) {
     uint32_t v;
     asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(ptr)) : "memory");
