@@ -20,6 +20,7 @@ expanded at a time.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -347,3 +348,41 @@ class ReferenceBackend:
             raise MegaMoEError(f"backend 'reference' takes no config keys, got {sorted(config)}")
         problem.validate()
         return _ReferenceRunner(problem, resolve_group(problem, group))
+
+
+def layer_relative_error(y: torch.Tensor, y_ref: torch.Tensor, group=None) -> Tuple[float, float]:
+    """``(layer, worst_rank)``: the relative L2 error ``||y - y_ref|| / ||y_ref||`` of the whole layer
+    (every rank's rows pooled) and the largest of the ranks' own, identical on every rank.
+
+    Tests accept on the layer's error.  A kernel's FP32 activations differ from the reference's in the
+    last bits, and where that crosses an FP8 rounding boundary the requantized value moves a whole FP8
+    step (up to 1/14 of its block's largest value), so a rank holding one token, whose error is a
+    handful of such steps, scatters far more than the layer does (``scripts/tolerance_model.py``).
+    Either value is 0 where its reference norm is 0 and the outputs agree, inf where they do not
+    or where anything is not finite.
+    ``group`` is the layer's process group (None: one process)."""
+    import torch.distributed as dist
+
+    if tuple(y.shape) != tuple(y_ref.shape):
+        raise MegaMoEError(f"layer_relative_error: y has shape {tuple(y.shape)}, the reference {tuple(y_ref.shape)}")
+    diff = (y.double() - y_ref.double()).pow(2).sum()
+    norm = y_ref.double().pow(2).sum()
+    mine = torch.stack([diff, norm]).reshape(1, 2)
+    if group is None or dist.get_world_size(group) == 1:
+        everyone = mine
+    else:
+        staged = _host_staged(mine, group)
+        gathered = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, staged, group=group)
+        everyone = torch.cat(gathered).cpu()
+    everyone = everyone.cpu().tolist()
+
+    def ratio(d: float, n: float) -> float:
+        if not (math.isfinite(d) and math.isfinite(n)):
+            return math.inf
+        if n == 0.0:
+            return 0.0 if d == 0.0 else math.inf
+        return math.sqrt(d / n)
+
+    layer = ratio(sum(d for d, _ in everyone), sum(n for _, n in everyone))
+    return layer, max(ratio(d, n) for d, n in everyone)

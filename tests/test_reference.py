@@ -1,5 +1,7 @@
 """The quantization-aware reference: loop vs grouped vs expert-parallel, and problem generation."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -281,3 +283,45 @@ def test_distributed_scenarios_cover_the_edge_cases():
     assert (idx[:, 0] == 0).all()
     # Rank 1 (experts 4..7) receives no pair at all in the one-expert case.
     assert not (idx >= 4).any()
+
+
+# ---------------------------------------------------------------------------- layer_relative_error
+
+
+def _layer_error_worker(rank, world_size):
+    from megamoe_cli.reference import layer_relative_error
+
+    # rank r: a reference of norm 1 (two tokens on rank 1), y off by 0.125 * (r + 1) in one entry
+    tokens = 2 if rank == 1 else 1
+    ref = torch.zeros(tokens, 4, dtype=torch.bfloat16)
+    if tokens == 1:
+        ref[0, 0] = 1.0
+    else:
+        ref[:, 0] = ref[:, 2] = 0.5
+    y = ref.clone()
+    y[0, 1] = 0.125 * (rank + 1)
+    return layer_relative_error(y, ref, torch.distributed.group.WORLD)
+
+
+def test_layer_relative_error_pools_the_ranks(tmp_path):
+    results = run_gloo(tmp_path, 3, _layer_error_worker)
+    # squared errors 1/64, 4/64, 9/64 over squared norms 1, 1, 1
+    layer = (14 / 64 / 3) ** 0.5
+    for got_layer, got_worst in results:
+        assert got_layer == pytest.approx(layer)
+        assert got_worst == pytest.approx(3 * 0.125)
+
+
+def test_layer_relative_error_in_one_process_and_its_edge_cases():
+    from megamoe_cli.reference import layer_relative_error
+
+    ref = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
+    assert layer_relative_error(ref.clone(), ref) == (0.0, 0.0)
+    layer, worst = layer_relative_error(torch.tensor([[3.0, 4.5]], dtype=torch.bfloat16), ref)
+    assert layer == pytest.approx(0.1) and worst == pytest.approx(0.1)
+    empty = torch.zeros(0, 2, dtype=torch.bfloat16)
+    assert layer_relative_error(empty, empty) == (0.0, 0.0)
+    assert layer_relative_error(torch.ones(1, 2), torch.zeros(1, 2)) == (math.inf, math.inf)
+    assert layer_relative_error(torch.tensor([[float("nan"), 4.0]]), ref) == (math.inf, math.inf)
+    with pytest.raises(MegaMoEError, match=r"y has shape \(1, 3\), the reference \(1, 2\)"):
+        layer_relative_error(torch.zeros(1, 3), ref)

@@ -9,7 +9,7 @@ from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.fused import FusedBackend, mega_moe, synchronize, transform_weights_for_mega_moe
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
-from megamoe_cli.reference import moe_reference_distributed
+from megamoe_cli.reference import layer_relative_error, moe_reference_distributed
 
 
 pytestmark = pytest.mark.gpu
@@ -49,30 +49,18 @@ def shared_seed(group) -> int:
     return int(seed.item())
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    diff = (out.double() - ref.double()).norm()
-    return float(diff / ref.double().norm().clamp_min(1e-30))
-
-
-def run_fused(problem, group, config=None):
-    runner = FusedBackend().prepare(problem, group, config or {})
-    runner.y.fill_(float("nan"))
-    y = runner()
-    synchronize(runner.buf)
-    return runner, y.clone()
-
-
 def check_against_reference(problem, group, y):
+    """The layer's relative error (every rank's rows pooled) under MAX_REL_ERR; each rank's own is
+    printed too.  A rank holding a token or two scatters by rounding alone: the tolerance model
+    (scripts/tolerance_model.py) puts the largest of 8 one-token ranks over 2e-2 in ~1 case in 200,
+    the pooled error of the same cases at ~1e-2 at most."""
     ref = moe_reference_distributed(problem, group)
     assert y.shape == ref.shape
     assert torch.isfinite(y).all(), "fused output has NaN/Inf (unwritten rows?)"
-    err = rel_err(y, ref) if problem.num_tokens else 0.0
-    errs = torch.tensor([err], device=collective_device(group))
-    if group is not None:
-        torch.distributed.all_reduce(errs, op=torch.distributed.ReduceOp.MAX, group=group)
-    print(f"rel_err={errs.item():.3e}")
-    assert errs.item() < MAX_REL_ERR
-    return errs.item()
+    layer, worst_rank = layer_relative_error(y, ref, group)
+    print(f"rel_err={layer:.3e} worst_rank={worst_rank:.3e}")
+    assert layer < MAX_REL_ERR, f"the layer's rel_err {layer:.3e} (the worst rank's {worst_rank:.3e})"
+    return layer
 
 
 def shape_cases():
