@@ -49,11 +49,19 @@ def shared_seed(group) -> int:
     return int(seed.item())
 
 
+def run_fused(problem, group, config=None):
+    runner = FusedBackend().prepare(problem, group, config or {})
+    runner.y.fill_(float("nan"))
+    y = runner()
+    synchronize(runner.buf)
+    return runner, y.clone()
+
+
 def check_against_reference(problem, group, y):
     """The layer's relative error (every rank's rows pooled) under MAX_REL_ERR; each rank's own is
     printed too.  A rank holding a token or two scatters by rounding alone: the tolerance model
-    (scripts/tolerance_model.py) puts the largest of 8 one-token ranks over 2e-2 in ~1 case in 200,
-    the pooled error of the same cases at ~1e-2 at most."""
+    (scripts/tolerance_model.py) puts the largest of 8 one-token ranks over 2e-2 in 7 cases of 2000,
+    the pooled error of the same cases at 1.31e-2 at most."""
     ref = moe_reference_distributed(problem, group)
     assert y.shape == ref.shape
     assert torch.isfinite(y).all(), "fused output has NaN/Inf (unwritten rows?)"
