@@ -1,6 +1,6 @@
-"""The GPU tier's modules, checked where they cannot run: every global name a function uses is
-defined.  Without a GPU their tests are skipped, so a name lost in an edit would surface only as a
-NameError on the device."""
+"""Code that runs only on a GPU, checked where it cannot run: every global name a function uses is
+defined.  Without a GPU the GPU tier's tests are skipped, and the device scripts and the library's
+GPU paths are not run, so a name lost in an edit would surface only as a NameError on the device."""
 
 import builtins
 import symtable
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-GPU_TESTS = sorted((Path(__file__).resolve().parent / "gpu").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = sorted((ROOT / "tests" / "gpu").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py")) + sorted(
+    (ROOT / "megamoe_cli").rglob("*.py"))
 
 
 def _module_names(table: symtable.SymbolTable) -> set:
@@ -25,7 +27,7 @@ def _undefined(table: symtable.SymbolTable, defined: set, where: str):
         yield from _undefined(child, defined, f"{where}.{child.get_name()}")
 
 
-@pytest.mark.parametrize("path", GPU_TESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_global_name_is_defined(path):
     top = symtable.symtable(path.read_text(), str(path), "exec")
     defined = _module_names(top) | {"__file__", "__name__"}
