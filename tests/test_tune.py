@@ -195,9 +195,10 @@ def test_candidate_configs_round_trip_and_ask_the_backend_for_every_knob():
     assert Candidate.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     assert c.config() == {"future_knob": 7, "block_m": 64, "num_stages": 3, "num_sms": None, "cluster_m": 2}
     assert c.backend_config()["num_sms"] == 0  # explicit: a stored entry cannot fill it in
-    r = CandidateResult(c, WRONG, "check", "off", 10.0, (9.0, 10.0), 1, float("nan"))
+    r = CandidateResult(c, WRONG, "check", "off", 10.0, (9.0, 10.0), 1, float("nan"), float("inf"))
     back = CandidateResult.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back.candidate == c and back.rank_times_us == (9.0, 10.0) and back.rel_err != back.rel_err
+    assert back.rel_err_layer == float("inf")
 
 
 # ---------------------------------------------------------------------------- building
@@ -309,7 +310,7 @@ def test_every_rank_picks_the_same_winner_by_the_slowest_rank():
         results = lib.measure_candidates(
             [A, B, C, D],
             prepare=lambda c: c,
-            measure=lambda c: (times[c][rank], 0.5 if c in wrong else 1e-3 * (rank + 1)),
+            measure=lambda c: (times[c][rank], 0.5 if c in wrong else 1e-3 * (rank + 1), 1.0),
             gather=lambda v: ranks.gather(rank, v),
             on_phase=phases.append,
         )
@@ -321,7 +322,8 @@ def test_every_rank_picks_the_same_winner_by_the_slowest_rank():
     by = {r.candidate: r for r in r0}
     assert (by[A].time_us, by[A].slowest_rank, by[A].rank_times_us) == (30.0, 1, (10.0, 30.0))
     assert by[C].time_us == 21.0 and by[C].rel_err == 2e-3
-    assert by[D].status == WRONG and "relative error 0.5 on rank 0" in by[D].reason
+    assert by[C].rel_err_layer == pytest.approx((5e-6 / 2) ** 0.5)  # 1e-3 and 2e-3 pooled
+    assert by[D].status == WRONG and "the layer's relative error 0.5, the worst rank's 0.5 on rank 0" in by[D].reason
     assert phases[:2] == [f"prepare {A.label}", f"time {A.label}"]
 
 
@@ -336,7 +338,7 @@ def test_a_failure_on_one_rank_excludes_the_candidate_on_all_ranks():
     def measure(rank, c):
         if c == C and rank == 0:
             raise MegaMoEError("kernel variant spills registers")
-        return 7.0, 0.0
+        return 7.0, 0.0, 1.0
 
     def rank_main(rank):
         return lib.measure_candidates([A, B, C], prepare=lambda c: prepare(rank, c),
@@ -362,20 +364,38 @@ def test_ties_go_to_the_default_then_to_the_smaller_config():
     assert lib.select_winner([CandidateResult(A, WRONG, time_us=1.0)]) is None
 
 
-def test_combine_takes_the_max_over_ranks_and_treats_nan_as_wrong():
-    r = lib.combine_ranks(A, [{"median_us": 3.0, "rel_err": 0.001}, {"median_us": 9.0, "rel_err": float("nan")},
-                              {"median_us": 4.0, "rel_err": 0.0}])
+def rank_entry(median_us, rel_err, ref_sq=1.0):
+    return {"median_us": median_us, "rel_err": rel_err, "ref_sq": ref_sq}
+
+
+def test_combine_takes_the_slowest_rank_and_treats_nan_as_wrong():
+    r = lib.combine_ranks(A, [rank_entry(3.0, 0.001), rank_entry(9.0, float("nan")), rank_entry(4.0, 0.0)])
     assert (r.status, r.time_us, r.slowest_rank) == (WRONG, 9.0, 1)
-    assert "relative error inf on rank 1 (limit 0.02)" in r.reason
-    r = lib.combine_ranks(A, [{"median_us": 3.0, "rel_err": 0.0199}, {"median_us": 2.0, "rel_err": 0.0}])
+    assert "the layer's relative error inf, the worst rank's inf on rank 1 (limit 0.02)" in r.reason
+    r = lib.combine_ranks(A, [rank_entry(3.0, 0.0199), rank_entry(2.0, 0.0)])
     assert (r.status, r.time_us, r.rel_err) == (OK, 3.0, 0.0199)
+    assert r.rel_err_layer == pytest.approx(0.0199 / 2**0.5)
+
+
+def test_the_layers_pooled_error_decides_not_one_scattered_rank():
+    # A rank holding one token at 2.5e-2 beside seven that hold 128 each at 4e-3: the layer is right.
+    ranks = [rank_entry(5.0, 2.5e-2, ref_sq=1.0)] + [rank_entry(5.0, 4e-3, ref_sq=128.0)] * 7
+    r = lib.combine_ranks(A, ranks)
+    assert r.status == OK and r.rel_err == 2.5e-2
+    assert r.rel_err_layer == pytest.approx(((2.5e-2**2 + 7 * 128 * 4e-3**2) / (1 + 7 * 128)) ** 0.5)
+    # A rank whose rows are all wrong makes the layer wrong, whatever the others hold.
+    r = lib.combine_ranks(A, [rank_entry(5.0, 1.0, ref_sq=1.0)] + [rank_entry(5.0, 0.0, ref_sq=128.0)] * 7)
+    assert r.status == WRONG and r.rel_err_layer == pytest.approx((1 / 897) ** 0.5)
+    # Nothing to compare anywhere (no tokens on any rank): right when every output matched.
+    assert lib.combine_ranks(A, [rank_entry(5.0, 0.0, ref_sq=0.0)] * 2).status == OK
+    assert lib.combine_ranks(A, [rank_entry(5.0, 0.0, 0.0), rank_entry(5.0, float("inf"), 0.0)]).status == WRONG
 
 
 def test_a_gpu_fault_stops_the_point_naming_the_candidate():
     def measure(c):
         if c == B:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return 5.0, 0.0
+        return 5.0, 0.0, 1.0
 
     with pytest.raises(CandidateFault) as err:
         lib.measure_candidates([A, B, C], prepare=lambda c: c, measure=measure, gather=lambda v: [v])
@@ -460,7 +480,7 @@ def simulated_launch(delay, *, wrong=(), fault=(), log=None):
                     key = (point.num_tokens, c.num_stages, c.num_sms)
                     if key in fault:
                         raise RuntimeError("CUDA error: unspecified launch failure")
-                    return delay(point, c, rank), (1.0 if key in wrong else 0.0)
+                    return delay(point, c, rank), (1.0 if key in wrong else 0.0), 1.0
 
                 try:
                     return lib.measure_candidates(candidates, prepare=lambda c: c, measure=measure,
@@ -744,7 +764,7 @@ def test_cli_run_prints_every_candidate_and_the_entries_as_json(store, monkeypat
     entries = json.loads(result.stdout)
     assert entries == list(tuned.load(target).values())
     assert entries[0]["config"]["num_sms"] == 112 and entries[0]["speedup"] == pytest.approx(51.0 / 11.0)
-    assert "wrong result: relative error 1" in result.stderr and "winner" in result.stderr
+    assert "wrong result: the layer's relative error 1" in result.stderr and "winner" in result.stderr
     assert f"tuned configs saved to {target}" in result.stderr.replace("\n", "")
     assert not store.exists()
 
@@ -758,3 +778,25 @@ def test_cli_run_that_faults_shows_what_it_measured_then_one_error_line(store, m
     assert last.startswith("error: tune stopped (candidate block_m=64 num_stages=3 cluster_m=1 num_sms=112)")
     assert "fault" in result.stderr and "not run" in result.stderr
     assert not store.exists()
+
+
+def test_a_rank_session_measures_its_median_error_and_reference_norm():
+    from types import SimpleNamespace
+
+    import torch
+
+    from megamoe_cli.bench.tune import _RankSession
+
+    worker = SimpleNamespace(barrier=lambda: None, device_kind="cpu", flusher=None)
+    point = SimpleNamespace(warmup=1, iters=3, flush_l2=False)
+    session = _RankSession(worker, point, backend=None)
+    session.y_ref = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
+    calls = []
+
+    def runner():
+        calls.append(1)
+        return torch.tensor([[3.0, 4.5]], dtype=torch.bfloat16)
+
+    median_us, rel_err, ref_sq = session.measure(runner)
+    assert len(calls) == 4 and median_us >= 0
+    assert rel_err == pytest.approx(0.1) and ref_sq == 25.0

@@ -23,8 +23,10 @@ The run (``run_tune``):
    Every rank all-gathers the medians and takes their maximum (the slowest rank is the layer's
    time), so all ranks see the same numbers and pick the same winner: the fastest, ties to the
    default, then to the smaller (block_m, num_stages, cluster_m), then to more SMs.  The last
-   output is compared once with ``reference.moe_reference_distributed``; a candidate at a
-   relative L2 error of ``REL_ERR_LIMIT`` or more is excluded as wrong.
+   output is compared once with ``reference.moe_reference_distributed``; a candidate whose layer
+   (every rank's rows pooled) is at a relative L2 error of ``REL_ERR_LIMIT`` or more is excluded as
+   wrong.  Pooled, as the GPU tests judge: a rank holding a token or two scatters past the limit by
+   rounding alone now and then (``scripts/tolerance_model.py``); the worst rank's error is reported.
 4. Save.  As each point finishes, its winner becomes a store entry (``tuned.make_entry``: time,
    the default's time, speedup, date, commit), merged into the store at once with
    ``tuned.merge_and_save``, so a later failure never loses it.  A point whose default did not
@@ -191,14 +193,16 @@ class CandidateResult:
     time_us: Optional[float] = None
     rank_times_us: Tuple[float, ...] = ()
     slowest_rank: Optional[int] = None
-    rel_err: Optional[float] = None
+    rel_err: Optional[float] = None  # the worst rank's
+    rel_err_layer: Optional[float] = None  # every rank's rows pooled: what decides
 
     def to_dict(self) -> Dict[str, Any]:
         data = asdict(self)
         data["candidate"] = self.candidate.to_dict()
         data["rank_times_us"] = list(self.rank_times_us)
-        if self.rel_err is not None and not math.isfinite(self.rel_err):
-            data["rel_err"] = str(self.rel_err)
+        for key in ("rel_err", "rel_err_layer"):
+            if data[key] is not None and not math.isfinite(data[key]):
+                data[key] = str(data[key])
         return data
 
     @classmethod
@@ -206,8 +210,9 @@ class CandidateResult:
         data = dict(data)
         data["candidate"] = Candidate.from_dict(data["candidate"])
         data["rank_times_us"] = tuple(data.get("rank_times_us", ()))
-        if isinstance(data.get("rel_err"), str):
-            data["rel_err"] = float(data["rel_err"])
+        for key in ("rel_err", "rel_err_layer"):
+            if isinstance(data.get(key), str):
+                data[key] = float(data[key])
         return cls(**data)
 
 
@@ -560,8 +565,9 @@ def _error_text(exc: BaseException) -> str:
 
 def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
                   rel_err_limit: float = REL_ERR_LIMIT) -> CandidateResult:
-    """One candidate's result from every rank's ``{"error", "median_us", "rel_err"}``: the
-    slowest rank's median is its time, the worst rank's error decides whether it is right."""
+    """One candidate's result from every rank's ``{"error", "median_us", "rel_err", "ref_sq"}``
+    (``ref_sq``: the squared norm of the rank's reference output): the slowest rank's median is its
+    time; the layer's error, every rank's pooled, decides whether it is right."""
     from .worker import _merge_errors
 
     errors = [entry.get("error") for entry in per_rank]
@@ -572,16 +578,29 @@ def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
     errs = [math.inf if entry["rel_err"] is None or math.isnan(entry["rel_err"]) else float(entry["rel_err"])
             for entry in per_rank]
     worst = max(errs)
+    layer = _pooled_error(errs, [float(entry["ref_sq"]) for entry in per_rank])
     result = CandidateResult(candidate, OK, time_us=times[slowest], rank_times_us=times,
-                             slowest_rank=slowest, rel_err=worst)
-    if not worst < rel_err_limit:
+                             slowest_rank=slowest, rel_err=worst, rel_err_layer=layer)
+    if not layer < rel_err_limit:
         result.status, result.stage = WRONG, "check"
-        result.reason = (f"wrong result: relative error {worst:.3g} on rank {errs.index(worst)} "
-                         f"(limit {rel_err_limit:g})")
+        result.reason = (f"wrong result: the layer's relative error {layer:.3g}, the worst rank's "
+                         f"{worst:.3g} on rank {errs.index(worst)} (limit {rel_err_limit:g})")
     elif not (math.isfinite(result.time_us) and result.time_us > 0):
         result.status, result.stage = EXCLUDED, "run"
         result.reason = f"no usable time measured ({result.time_us!r} us)"
     return result
+
+
+def _pooled_error(errs: Sequence[float], ref_sq: Sequence[float]) -> float:
+    """``sqrt(sum(err_r^2 * ref_sq_r) / sum(ref_sq_r))``: the relative error of all ranks' rows
+    together; inf where a rank's is not finite.  With no reference norm anywhere it is the worst
+    rank's (0 when every output matched, inf otherwise)."""
+    if not all(math.isfinite(e) for e in errs) or not all(math.isfinite(n) and n >= 0 for n in ref_sq):
+        return math.inf
+    total = sum(ref_sq)
+    if total == 0.0:
+        return max(errs, default=0.0)
+    return math.sqrt(sum(e * e * n for e, n in zip(errs, ref_sq)) / total)
 
 
 def select_winner(results: Sequence[CandidateResult]) -> Optional[CandidateResult]:
@@ -604,7 +623,8 @@ def measure_candidates(
     """Time ``candidates`` in the same order on every rank; every rank returns the same results.
 
     ``prepare(candidate)`` makes a runner (collective); ``measure(runner)`` returns this rank's
-    ``(median_us, rel_err)``; ``gather(value)`` is an all-gather over the ranks.  After each step
+    ``(median_us, rel_err, ref_sq)`` (``ref_sq``: its reference output's squared norm);
+    ``gather(value)`` is an all-gather over the ranks.  After each step
     the ranks agree: a candidate that failed to prepare or run on any rank is excluded on all,
     with every rank's error.  A ``MegaMoEError`` is a refusal before the kernel ran (excluded);
     any other error from ``measure`` is a GPU fault and raises :class:`CandidateFault`.
@@ -627,8 +647,9 @@ def measure_candidates(
         if on_phase is not None:
             on_phase(f"time {candidate.label}")
         try:
-            median_us, rel_err = measure(runner)
-            mine: Dict[str, Any] = {"error": None, "median_us": float(median_us), "rel_err": float(rel_err)}
+            median_us, rel_err, ref_sq = measure(runner)
+            mine: Dict[str, Any] = {"error": None, "median_us": float(median_us), "rel_err": float(rel_err),
+                                    "ref_sq": float(ref_sq)}
         except MegaMoEError as exc:
             mine = {"error": _error_text(exc)}
         except Exception as exc:
@@ -699,7 +720,7 @@ class _RankSession:
             raise MegaMoEError(f"the backend reports config {used} for the candidate {asked}")
         return runner
 
-    def measure(self, runner) -> Tuple[float, float]:
+    def measure(self, runner) -> Tuple[float, float, float]:
         from .timing import Stats, time_calls
         from .worker import relative_error
 
@@ -715,7 +736,8 @@ class _RankSession:
             if diagnostic:
                 raise MegaMoETimeout(f"{diagnostic} ({_error_text(exc)})") from exc
             raise
-        return Stats.of(times).median_us, relative_error(outputs[0], self.y_ref)
+        ref_sq = float(self.y_ref.double().pow(2).sum())
+        return Stats.of(times).median_us, relative_error(outputs[0], self.y_ref), ref_sq
 
 
 def _kernel_diagnostic(runner) -> Optional[str]:

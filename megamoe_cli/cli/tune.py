@@ -162,7 +162,8 @@ def _candidate_table(outcome):
     table = Table(title=title, title_justify="left")
     for header, justify in (("block_m", "right"), ("stages", "right"), ("cluster", "right"), ("SMs", "right"),
                             ("time us", "right"),
-                            ("vs default", "right"), ("rel err", "right"), ("status", "left"), ("note", "left")):
+                            ("vs default", "right"), ("rel err", "right"), ("worst rank", "right"), ("status", "left"),
+                            ("note", "left")):
         table.add_column(header, justify=justify, overflow="fold")
     for result in outcome.results:
         c = result.candidate
@@ -172,9 +173,13 @@ def _candidate_table(outcome):
         style = "bold green" if result is outcome.winner else None if result.status in (OK, PLANNED) else "red"
         table.add_row(str(c.block_m), str(c.num_stages), str(c.cluster_m), "all" if c.num_sms == 0 else str(c.num_sms),
                       f"{result.time_us:,.1f}" if result.time_us else "-", speedup,
-                      f"{result.rel_err:.2e}" if result.rel_err is not None else "-", result.status, note,
+                      _err(result.rel_err_layer), _err(result.rel_err), result.status, note,
                       style=style)
     return table
+
+
+def _err(value) -> str:
+    return f"{value:.2e}" if value is not None else "-"
 
 
 def _entry_table(entries, target):
