@@ -21,7 +21,7 @@ expanded at a time.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -350,32 +350,25 @@ class ReferenceBackend:
         return _ReferenceRunner(problem, resolve_group(problem, group))
 
 
-def layer_relative_error(y: torch.Tensor, y_ref: torch.Tensor, group=None) -> Tuple[float, float]:
-    """``(layer, worst_rank)``: the relative L2 error ``||y - y_ref|| / ||y_ref||`` of the whole layer
-    (every rank's rows pooled) and the largest of the ranks' own, identical on every rank.
-
-    Tests accept on the layer's error.  A kernel's FP32 activations differ from the reference's in the
-    last bits, and where that crosses an FP8 rounding boundary the requantized value moves a whole FP8
-    step (up to 1/14 of its block's largest value), so a rank holding one token, whose error is a
-    handful of such steps, scatters far more than the layer does (``scripts/tolerance_model.py``).
-    Either value is 0 where its reference norm is 0 and the outputs agree, inf where they do not
-    or where anything is not finite.
-    ``group`` is the layer's process group (None: one process)."""
-    import torch.distributed as dist
-
+def squared_error(y: torch.Tensor, y_ref: torch.Tensor) -> Tuple[float, float]:
+    """``(||y - y_ref||^2, ||y_ref||^2)`` in FP64: one rank's share of :func:`pooled_relative_error`."""
     if tuple(y.shape) != tuple(y_ref.shape):
-        raise MegaMoEError(f"layer_relative_error: y has shape {tuple(y.shape)}, the reference {tuple(y_ref.shape)}")
-    diff = (y.double() - y_ref.double()).pow(2).sum()
-    norm = y_ref.double().pow(2).sum()
-    mine = torch.stack([diff, norm]).reshape(1, 2)
-    if group is None or dist.get_world_size(group) == 1:
-        everyone = mine
-    else:
-        staged = _host_staged(mine, group)
-        gathered = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, staged, group=group)
-        everyone = torch.cat(gathered).cpu()
-    everyone = everyone.cpu().tolist()
+        raise MegaMoEError(f"squared_error: y has shape {tuple(y.shape)}, the reference {tuple(y_ref.shape)}")
+    ref = y_ref.double()
+    return float((y.double() - ref).pow(2).sum()), float(ref.pow(2).sum())
+
+
+def pooled_relative_error(per_rank: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """``(layer, worst_rank)`` from every rank's :func:`squared_error`: the relative L2 error
+    ``||y - y_ref|| / ||y_ref||`` of the whole layer (every rank's rows pooled) and the largest of
+    the ranks' own.
+
+    Tests and ``megamoe tune`` judge the layer's error.  A kernel's FP32 activations differ from the
+    reference's in the last bits, and where that crosses an FP8 rounding boundary the requantized
+    value moves a whole FP8 step (up to 1/14 of its block's largest value), so a rank holding one
+    token, whose error is a handful of such steps, scatters far more than the layer does
+    (``scripts/tolerance_model.py``).  Either value is 0 where its reference norm is 0 and the
+    outputs agree, inf where they do not or where anything is not finite."""
 
     def ratio(d: float, n: float) -> float:
         if not (math.isfinite(d) and math.isfinite(n)):
@@ -384,5 +377,19 @@ def layer_relative_error(y: torch.Tensor, y_ref: torch.Tensor, group=None) -> Tu
             return 0.0 if d == 0.0 else math.inf
         return math.sqrt(d / n)
 
-    layer = ratio(sum(d for d, _ in everyone), sum(n for _, n in everyone))
-    return layer, max(ratio(d, n) for d, n in everyone)
+    per_rank = [(float(d), float(n)) for d, n in per_rank]
+    layer = ratio(sum(d for d, _ in per_rank), sum(n for _, n in per_rank))
+    return layer, max((ratio(d, n) for d, n in per_rank), default=0.0)
+
+
+def layer_relative_error(y: torch.Tensor, y_ref: torch.Tensor, group=None) -> Tuple[float, float]:
+    """:func:`pooled_relative_error` over ``group``'s ranks (None: one process), identical on every rank."""
+    import torch.distributed as dist
+
+    mine = squared_error(y, y_ref)
+    if group is None or dist.get_world_size(group) == 1:
+        return pooled_relative_error([mine])
+    staged = _host_staged(torch.tensor([mine], dtype=torch.float64, device=y.device), group)
+    gathered = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, staged, group=group)
+    return pooled_relative_error(torch.cat(gathered).tolist())

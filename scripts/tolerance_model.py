@@ -23,14 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamoe_cli.layout import PRESETS, MoEShape  # noqa: E402
 from megamoe_cli.problem import make_expert_weights, make_routing  # noqa: E402
-from megamoe_cli.quant import BLOCK, dequantize_per_block, dequantize_per_token, quantize_per_token  # noqa: E402
-from megamoe_cli.reference import combine_slots  # noqa: E402
+from megamoe_cli.quant import BLOCK, dequantize_per_block, quantize_per_token  # noqa: E402
+from megamoe_cli.reference import _expert_rows, combine_slots, squared_error  # noqa: E402
 
 # The GPU tests' small shape (tests/gpu/test_fused.py), which differs from the "small" preset.
 GPU_TEST_SMALL = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)
@@ -75,20 +74,6 @@ def expert_rows_kernel(x_q, x_sf, weights, w1, w2, bits):
     return blocked_gemm(act_q, act_sf, w2, bits).bfloat16()
 
 
-def expert_rows_reference(x_q, x_sf, weights, w1_64, w2_64):
-    inter = w2_64.shape[1]
-    x64 = dequantize_per_token(x_q, x_sf).double()
-    h = (x64 @ w1_64.T).float().double()
-    act = (F.silu(h[:, :inter]) * h[:, inter:] * weights.double().unsqueeze(1)).float()
-    act_q, act_sf = quantize_per_token(act)
-    return (dequantize_per_token(act_q, act_sf).double() @ w2_64.T).float().bfloat16()
-
-
-def squared_norms(out, ref):
-    """``(||out - ref||^2, ||ref||^2)`` in FP64."""
-    return float((out.double() - ref.double()).pow(2).sum()), float(ref.double().pow(2).sum())
-
-
 def one_case(shape, ranks, tokens, seed, bits, weights_cache, weight_reuse):
     """Per-rank ``(||y - y_ref||^2, ||y_ref||^2)`` of the emulated kernel against the reference for one fresh case
     (fresh tokens and routing; the experts' weights are redrawn every ``weight_reuse`` cases)."""
@@ -117,11 +102,11 @@ def one_case(shape, ranks, tokens, seed, bits, weights_cache, weight_reuse):
             ids = torch.nonzero(flat == e).squeeze(1)
             toks = ids // K
             xq, xs, wts = x_q[toks], x_sf[toks], flat_w[ids]
-            slots_ref[ids] = expert_rows_reference(xq, xs, wts, w1_64[e], w2_64[e])
+            slots_ref[ids] = _expert_rows(xq, xs, wts, w1_64[e], w2_64[e])
             slots_ker[ids] = expert_rows_kernel(xq, xs, wts, w1[e], w2[e], bits)
         y_ref = combine_slots(slots_ref.view(tokens, K, -1))
         y_ker = combine_slots(slots_ker.view(tokens, K, -1))
-        errs.append(squared_norms(y_ker, y_ref))
+        errs.append(squared_error(y_ker, y_ref))
     return errs
 
 

@@ -310,7 +310,7 @@ def test_every_rank_picks_the_same_winner_by_the_slowest_rank():
         results = lib.measure_candidates(
             [A, B, C, D],
             prepare=lambda c: c,
-            measure=lambda c: (times[c][rank], 0.5 if c in wrong else 1e-3 * (rank + 1), 1.0),
+            measure=lambda c: (times[c][rank], (0.5 if c in wrong else 1e-3 * (rank + 1)) ** 2, 1.0),
             gather=lambda v: ranks.gather(rank, v),
             on_phase=phases.append,
         )
@@ -321,7 +321,7 @@ def test_every_rank_picks_the_same_winner_by_the_slowest_rank():
     assert w0.candidate == w1.candidate == C
     by = {r.candidate: r for r in r0}
     assert (by[A].time_us, by[A].slowest_rank, by[A].rank_times_us) == (30.0, 1, (10.0, 30.0))
-    assert by[C].time_us == 21.0 and by[C].rel_err == 2e-3
+    assert by[C].time_us == 21.0 and by[C].rel_err == pytest.approx(2e-3)
     assert by[C].rel_err_layer == pytest.approx((5e-6 / 2) ** 0.5)  # 1e-3 and 2e-3 pooled
     assert by[D].status == WRONG and "the layer's relative error 0.5, the worst rank's 0.5 on rank 0" in by[D].reason
     assert phases[:2] == [f"prepare {A.label}", f"time {A.label}"]
@@ -365,7 +365,9 @@ def test_ties_go_to_the_default_then_to_the_smaller_config():
 
 
 def rank_entry(median_us, rel_err, ref_sq=1.0):
-    return {"median_us": median_us, "rel_err": rel_err, "ref_sq": ref_sq}
+    """A rank whose output is off by ``rel_err`` of a reference with squared norm ``ref_sq``."""
+    diff_sq = rel_err**2 * ref_sq if ref_sq else (0.0 if rel_err == 0 else rel_err)
+    return {"median_us": median_us, "diff_sq": diff_sq, "ref_sq": ref_sq}
 
 
 def test_combine_takes_the_slowest_rank_and_treats_nan_as_wrong():
@@ -373,7 +375,7 @@ def test_combine_takes_the_slowest_rank_and_treats_nan_as_wrong():
     assert (r.status, r.time_us, r.slowest_rank) == (WRONG, 9.0, 1)
     assert "the layer's relative error inf, the worst rank's inf on rank 1 (limit 0.02)" in r.reason
     r = lib.combine_ranks(A, [rank_entry(3.0, 0.0199), rank_entry(2.0, 0.0)])
-    assert (r.status, r.time_us, r.rel_err) == (OK, 3.0, 0.0199)
+    assert (r.status, r.time_us) == (OK, 3.0) and r.rel_err == pytest.approx(0.0199)
     assert r.rel_err_layer == pytest.approx(0.0199 / 2**0.5)
 
 
@@ -381,7 +383,7 @@ def test_the_layers_pooled_error_decides_not_one_scattered_rank():
     # A rank holding one token at 2.5e-2 beside seven that hold 128 each at 4e-3: the layer is right.
     ranks = [rank_entry(5.0, 2.5e-2, ref_sq=1.0)] + [rank_entry(5.0, 4e-3, ref_sq=128.0)] * 7
     r = lib.combine_ranks(A, ranks)
-    assert r.status == OK and r.rel_err == 2.5e-2
+    assert r.status == OK and r.rel_err == pytest.approx(2.5e-2)
     assert r.rel_err_layer == pytest.approx(((2.5e-2**2 + 7 * 128 * 4e-3**2) / (1 + 7 * 128)) ** 0.5)
     # A rank whose rows are all wrong makes the layer wrong, whatever the others hold.
     r = lib.combine_ranks(A, [rank_entry(5.0, 1.0, ref_sq=1.0)] + [rank_entry(5.0, 0.0, ref_sq=128.0)] * 7)
@@ -797,6 +799,7 @@ def test_a_rank_session_measures_its_median_error_and_reference_norm():
         calls.append(1)
         return torch.tensor([[3.0, 4.5]], dtype=torch.bfloat16)
 
-    median_us, rel_err, ref_sq = session.measure(runner)
+    session.ref_sq = 25.0  # what make_reference computes once
+    median_us, diff_sq, ref_sq = session.measure(runner)
     assert len(calls) == 4 and median_us >= 0
-    assert rel_err == pytest.approx(0.1) and ref_sq == 25.0
+    assert (diff_sq, ref_sq) == (0.25, 25.0)

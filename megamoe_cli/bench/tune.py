@@ -565,9 +565,10 @@ def _error_text(exc: BaseException) -> str:
 
 def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
                   rel_err_limit: float = REL_ERR_LIMIT) -> CandidateResult:
-    """One candidate's result from every rank's ``{"error", "median_us", "rel_err", "ref_sq"}``
-    (``ref_sq``: the squared norm of the rank's reference output): the slowest rank's median is its
-    time; the layer's error, every rank's pooled, decides whether it is right."""
+    """One candidate's result from every rank's ``{"error", "median_us", "diff_sq", "ref_sq"}``
+    (``reference.squared_error`` of its output): the slowest rank's median is its time; the layer's
+    error, every rank's pooled, decides whether it is right."""
+    from ..reference import pooled_relative_error
     from .worker import _merge_errors
 
     errors = [entry.get("error") for entry in per_rank]
@@ -575,10 +576,9 @@ def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
         return CandidateResult(candidate, EXCLUDED, "run", _merge_errors(errors))
     times = tuple(float(entry["median_us"]) for entry in per_rank)
     slowest = times.index(max(times))
-    errs = [math.inf if entry["rel_err"] is None or math.isnan(entry["rel_err"]) else float(entry["rel_err"])
-            for entry in per_rank]
-    worst = max(errs)
-    layer = _pooled_error(errs, [float(entry["ref_sq"]) for entry in per_rank])
+    squared = [(entry["diff_sq"], entry["ref_sq"]) for entry in per_rank]
+    layer, worst = pooled_relative_error(squared)
+    errs = [pooled_relative_error([pair])[0] for pair in squared]
     result = CandidateResult(candidate, OK, time_us=times[slowest], rank_times_us=times,
                              slowest_rank=slowest, rel_err=worst, rel_err_layer=layer)
     if not layer < rel_err_limit:
@@ -589,18 +589,6 @@ def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
         result.status, result.stage = EXCLUDED, "run"
         result.reason = f"no usable time measured ({result.time_us!r} us)"
     return result
-
-
-def _pooled_error(errs: Sequence[float], ref_sq: Sequence[float]) -> float:
-    """``sqrt(sum(err_r^2 * ref_sq_r) / sum(ref_sq_r))``: the relative error of all ranks' rows
-    together; inf where a rank's is not finite.  With no reference norm anywhere it is the worst
-    rank's (0 when every output matched, inf otherwise)."""
-    if not all(math.isfinite(e) for e in errs) or not all(math.isfinite(n) and n >= 0 for n in ref_sq):
-        return math.inf
-    total = sum(ref_sq)
-    if total == 0.0:
-        return max(errs, default=0.0)
-    return math.sqrt(sum(e * e * n for e, n in zip(errs, ref_sq)) / total)
 
 
 def select_winner(results: Sequence[CandidateResult]) -> Optional[CandidateResult]:
@@ -623,7 +611,7 @@ def measure_candidates(
     """Time ``candidates`` in the same order on every rank; every rank returns the same results.
 
     ``prepare(candidate)`` makes a runner (collective); ``measure(runner)`` returns this rank's
-    ``(median_us, rel_err, ref_sq)`` (``ref_sq``: its reference output's squared norm);
+    ``(median_us, diff_sq, ref_sq)`` (``reference.squared_error`` of its output);
     ``gather(value)`` is an all-gather over the ranks.  After each step
     the ranks agree: a candidate that failed to prepare or run on any rank is excluded on all,
     with every rank's error.  A ``MegaMoEError`` is a refusal before the kernel ran (excluded);
@@ -647,8 +635,8 @@ def measure_candidates(
         if on_phase is not None:
             on_phase(f"time {candidate.label}")
         try:
-            median_us, rel_err, ref_sq = measure(runner)
-            mine: Dict[str, Any] = {"error": None, "median_us": float(median_us), "rel_err": float(rel_err),
+            median_us, diff_sq, ref_sq = measure(runner)
+            mine: Dict[str, Any] = {"error": None, "median_us": float(median_us), "diff_sq": float(diff_sq),
                                     "ref_sq": float(ref_sq)}
         except MegaMoEError as exc:
             mine = {"error": _error_text(exc)}
@@ -694,6 +682,7 @@ class _RankSession:
         self.backend = backend
         self.problem = None
         self.y_ref = None
+        self.ref_sq = 0.0
 
     def make_problem(self) -> None:
         from ..problem import make_problem
@@ -707,9 +696,10 @@ class _RankSession:
             w.flusher = L2Flusher(w.device)
 
     def make_reference(self) -> None:
-        from ..reference import moe_reference_distributed
+        from ..reference import moe_reference_distributed, squared_error
 
         self.y_ref = moe_reference_distributed(self.problem, self.worker.group)
+        self.ref_sq = squared_error(self.y_ref, self.y_ref)[1]
 
     def prepare(self, candidate: Candidate):
         runner = self.backend.prepare(self.problem, self.worker.group, candidate.backend_config())
@@ -721,8 +711,8 @@ class _RankSession:
         return runner
 
     def measure(self, runner) -> Tuple[float, float, float]:
+        from ..reference import squared_error
         from .timing import Stats, time_calls
-        from .worker import relative_error
 
         w, p = self.worker, self.point
         outputs: List[Any] = []
@@ -736,8 +726,7 @@ class _RankSession:
             if diagnostic:
                 raise MegaMoETimeout(f"{diagnostic} ({_error_text(exc)})") from exc
             raise
-        ref_sq = float(self.y_ref.double().pow(2).sum())
-        return Stats.of(times).median_us, relative_error(outputs[0], self.y_ref), ref_sq
+        return Stats.of(times).median_us, squared_error(outputs[0], self.y_ref)[0], self.ref_sq
 
 
 def _kernel_diagnostic(runner) -> Optional[str]:
