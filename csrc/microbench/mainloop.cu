@@ -16,12 +16,16 @@
 //               half's WGMMAs (off the path from the last promotion to the next WGMMA)
 //   n128_db     tile 128 x 128: 4 SS m64n128k32 into two alternating partials, each K block's
 //               partial promoted while the next block runs                   tile 128 x 128
+//   rescale256  no partial: the accumulators are kept in units of the current K block's scales
+//               (multiplied by s(kb-1) / s(kb) per row and 128-column half before block kb's
+//               4 SS m64n256k32, by the last block's scales at the end), wait, release
+//                                                                            tile 128 x 256
 // Numbers only: operands are arbitrary bytes, the result is summed into a sink.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o mainloop mainloop.cu
 // Run:   ./mainloop [--no-load] [--random] [--src-mib N] [--b-stream G] [--kblocks N] [mode ...]
 // (--b-stream G: B streamed from DRAM, each group of G CTAs reading one sequence once;
-//  --tile-kb N C: halves mode only, a tile boundary every N K blocks: both warpgroups meet
+//  --tile-kb N C: halves and rescale256 modes only, a tile boundary every N K blocks: both warpgroups meet
 //  at a barrier and spend C cycles, like the epilogue; --no-tile-barrier: without the barrier;
 //  --stagger S: warpgroup 2 spends S more cycles there; --copy-mib M: warps 1-3 copy rows between
 //  two M MiB buffers the whole time, like the fused kernel's dispatch warps; --tma2d: A and B by 2-D
@@ -53,9 +57,9 @@ namespace ptx = megamoe::ptx;
         }                                                                                           \
     } while (0)
 
-enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kNumModes };
+enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kRescale256, kNumModes };
 static const char* kModeNames[kNumModes] = {"halves", "nopromo128", "nopromo256", "quarters",
-                                            "rs_halves", "rs_quarters", "n128_db", "halves_la"};
+                                            "rs_halves", "rs_quarters", "n128_db", "halves_la", "rescale256"};
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kABytes = 128 * 128;
@@ -358,6 +362,43 @@ __global__ void __launch_bounds__(384, 1)
         ptx::wgmma_wait<0>();
         fence_regs(p1);
         promote(acc + 96, p1, ps0, ps1);
+    } else if constexpr (kMode == kRescale256) {
+        float p00 = 1.0f, p01 = 1.0f, p10 = 1.0f, p11 = 1.0f;  // previous block's scales: row, half
+        for (uint32_t kb = 0; kb < num_kb; ++kb) {
+            const uint32_t s = kb % kStages;
+            const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
+            mbar_wait(&ss.full[s], (kb / kStages) & 1);
+            const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
+            const float c00 = sa0 * sb0, c01 = sa0 * sb1, c10 = sa1 * sb0, c11 = sa1 * sb1;
+            const float q00 = __fdividef(p00, c00), q01 = __fdividef(p01, c01);
+            const float q10 = __fdividef(p10, c10), q11 = __fdividef(p11, c11);
+            #pragma unroll
+            for (uint32_t i = 0; i < 128; ++i)
+                acc[i] *= ((i / 2) % 2) ? (i < 64 ? q10 : q11) : (i < 64 ? q00 : q01);
+            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
+            const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s]);
+            fence_regs(acc);
+            ptx::wgmma_fence();
+            #pragma unroll
+            for (uint32_t k = 0; k < 4; ++k)
+                wgmma_ss_m64n256k32(acc, da + 2 * k, db + 2 * k, 1);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            fence_regs(acc);
+            if (lane == 0)
+                ptx::mbar_arrive(&ss.empty[s]);
+            p00 = c00, p01 = c01, p10 = c10, p11 = c11;
+            if (tile_kb != 0 && (kb + 1) % tile_kb == 0) {
+                #pragma unroll
+                for (uint32_t i = 0; i < 128; ++i)
+                    acc[i] *= ((i / 2) % 2) ? (i < 64 ? p10 : p11) : (i < 64 ? p00 : p01);
+                tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
+                p00 = p01 = p10 = p11 = 1.0f;
+            }
+        }
+        #pragma unroll
+        for (uint32_t i = 0; i < 128; ++i)
+            acc[i] *= ((i / 2) % 2) ? (i < 64 ? p10 : p11) : (i < 64 ? p00 : p01);
     } else if constexpr (kMode == kN128Db) {
         float p0[64], p1[64];
         float ps0 = 0.0f, ps1 = 0.0f;
@@ -608,6 +649,7 @@ int main(int argc, char** argv) {
             case kRsQuarters: run_mode<kRsQuarters>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kHalvesLookahead: run_mode<kHalvesLookahead>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kN128Db: run_mode<kN128Db>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kRescale256: run_mode<kRescale256>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
         }
     }
     CHECK(cudaDeviceSynchronize());
