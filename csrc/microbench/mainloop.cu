@@ -20,6 +20,9 @@
 //               (multiplied by s(kb-1) / s(kb) per row and 128-column half before block kb's
 //               4 SS m64n256k32, by the last block's scales at the end), wait, release
 //                                                                            tile 128 x 256
+//   rescale_halves  the same, as two m64n128 halves issued back to back; half 0 is rescaled for
+//               the next block while half 1 still runs (wait<1>), half 1 after wait<0>
+//                                                                            tile 128 x 256
 // Numbers only: operands are arbitrary bytes, the result is summed into a sink.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o mainloop mainloop.cu
@@ -57,9 +60,9 @@ namespace ptx = megamoe::ptx;
         }                                                                                           \
     } while (0)
 
-enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kRescale256, kNumModes };
+enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kRescale256, kRescaleHalves, kNumModes };
 static const char* kModeNames[kNumModes] = {"halves", "nopromo128", "nopromo256", "quarters",
-                                            "rs_halves", "rs_quarters", "n128_db", "halves_la", "rescale256"};
+                                            "rs_halves", "rs_quarters", "n128_db", "halves_la", "rescale256", "rescale_halves"};
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kABytes = 128 * 128;
@@ -399,6 +402,55 @@ __global__ void __launch_bounds__(384, 1)
         #pragma unroll
         for (uint32_t i = 0; i < 128; ++i)
             acc[i] *= ((i / 2) % 2) ? (i < 64 ? p10 : p11) : (i < 64 ? p00 : p01);
+    } else if constexpr (kMode == kRescaleHalves) {
+        // Both halves of block kb issued back to back (8 WGMMAs queued); half 0 is rescaled for
+        // block kb+1 while half 1 of kb still runs, half 1 once both retired.  Nothing is in flight
+        // across the loop's back edge (ptxas would serialize the WGMMAs).
+        float(&a0)[64] = *reinterpret_cast<float(*)[64]>(acc);
+        float(&a1)[64] = *reinterpret_cast<float(*)[64]>(acc + 64);
+        float c00 = 1.0f, c10 = 1.0f, c01 = 1.0f, c11 = 1.0f;  // block kb's scales: row, half
+        for (uint32_t kb = 0; kb < num_kb; ++kb) {
+            const uint32_t s = kb % kStages;
+            if (kb == 0) {
+                mbar_wait(&ss.full[0], 0);
+                c00 = ss.sfa[0][r0] * __ldg(sfb), c10 = ss.sfa[0][r0 + 8] * __ldg(sfb);
+                c01 = ss.sfa[0][r0] * __ldg(sfb + 1), c11 = ss.sfa[0][r0 + 8] * __ldg(sfb + 1);
+            }
+            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
+            fence_regs(acc);
+            ptx::wgmma_fence();
+            #pragma unroll
+            for (uint32_t k = 0; k < 4; ++k)
+                wgmma_ss_m64n128k32(a0, da + 2 * k, ptx::make_smem_desc_sw128(ss.b[s]) + 2 * k, 1);
+            ptx::wgmma_commit();
+            #pragma unroll
+            for (uint32_t k = 0; k < 4; ++k)
+                wgmma_ss_m64n128k32(a1, da + 2 * k, ptx::make_smem_desc_sw128(ss.b[s] + 128 * 128) + 2 * k, 1);
+            ptx::wgmma_commit();
+            float n00 = 1.0f, n10 = 1.0f, n01 = 1.0f, n11 = 1.0f;
+            if (kb + 1 < num_kb) {
+                const uint32_t sn = (kb + 1) % kStages;
+                mbar_wait(&ss.full[sn], ((kb + 1) / kStages) & 1);
+                const float sa0 = ss.sfa[sn][r0], sa1 = ss.sfa[sn][r0 + 8];
+                const float sb0 = __ldg(sfb + ((kb + 1) % 64) * 2), sb1 = __ldg(sfb + ((kb + 1) % 64) * 2 + 1);
+                n00 = sa0 * sb0, n10 = sa1 * sb0, n01 = sa0 * sb1, n11 = sa1 * sb1;
+            }
+            const float q00 = __fdividef(c00, n00), q10 = __fdividef(c10, n10);
+            const float q01 = __fdividef(c01, n01), q11 = __fdividef(c11, n11);
+            ptx::wgmma_wait<1>();
+            fence_regs(a0);
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                a0[i] *= ((i / 2) % 2) ? q10 : q00;
+            ptx::wgmma_wait<0>();
+            fence_regs(a1);
+            if (lane == 0)
+                ptx::mbar_arrive(&ss.empty[s]);
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                a1[i] *= ((i / 2) % 2) ? q11 : q01;
+            c00 = n00, c10 = n10, c01 = n01, c11 = n11;
+        }
     } else if constexpr (kMode == kN128Db) {
         float p0[64], p1[64];
         float ps0 = 0.0f, ps1 = 0.0f;
@@ -650,6 +702,7 @@ int main(int argc, char** argv) {
             case kHalvesLookahead: run_mode<kHalvesLookahead>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kN128Db: run_mode<kN128Db>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kRescale256: run_mode<kRescale256>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kRescaleHalves: run_mode<kRescaleHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
         }
     }
     CHECK(cudaDeviceSynchronize());
