@@ -205,7 +205,9 @@ def test_the_mainloop_microbenchmark_compiles_without_spills_or_serialized_wgmma
     assert result.returncode == 0, result.stderr[-3000:]
     report = PtxasReport.parse(result.stderr + result.stdout)
     kernels = [name for name, f in report.entries.items() if "mainloop_kernel" in name]
-    assert len(kernels) == 8, report.summary()  # one per mode
+    names = re.search(r"kModeNames\[kNumModes\] = \{(.*?)\};", source.read_text(), re.S)
+    assert names, "kModeNames not found in mainloop.cu"
+    assert len(kernels) == names.group(1).count('"') // 2 >= 10, report.summary()  # one per mode
     assert not report.has_spills, report.summary()
     assert not report.serialized_wgmma, report.serialized_wgmma
 

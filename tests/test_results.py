@@ -31,7 +31,7 @@ def ok_row(point, time_us, run_id="run1"):
     return make_row(
         point, run_id=run_id, world_size=2, device="cpu", env=ENV, status="ok",
         timing={"time_us_median": time_us, "time_us_min": time_us - 1, "time_us_max": time_us + 1, "slowest_rank": 1},
-        metrics={"num_pairs": 16, "tflops": 0.5}, rel_err=0.01, inputs_copy_timed=True,
+        metrics={"num_pairs": 16, "tflops": 0.5}, rel_err=0.01, rel_err_layer=0.004, inputs_copy_timed=True,
     )
 
 
@@ -49,6 +49,7 @@ def test_make_row_has_exactly_the_schema_columns():
                    "gpu_count", "driver", "torch", "cuda", "python", "git_commit", "git_dirty", "hostname", "date"):
         assert column in row
     assert row["preset"] == "small" and row["status"] == "ok" and row["rel_err"] == 0.01
+    assert row["rel_err_layer"] == 0.004 and math.isnan(failed_row(points()[0])["rel_err_layer"])
     assert math.isnan(row["floor_us"])
     assert row["date"].endswith("+00:00")
 
@@ -131,6 +132,35 @@ def test_a_file_written_before_calls_per_sample_reads_as_one_call_and_takes_new_
     frame = read_results(path)
     assert list(frame["calls_per_sample"]) == [1, 1, 8]
     assert list(frame["time_us_median"])[::2] == [10.0, 3.0]
+
+
+@pytest.mark.parametrize("ext", [".csv", ".jsonl"])
+def test_a_file_written_before_rel_err_layer_reads_it_as_unknown_and_the_summary_shows_a_dash(tmp_path, ext):
+    from megamoe_cli.cli._tables import markdown_table
+
+    old_columns = [c for c in COLUMNS if c != "rel_err_layer"]
+    old = {c: ok_row(points()[0], 10.0)[c] for c in old_columns}
+    path = tmp_path / f"old{ext}"
+    if ext == ".csv":
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            writer.writerow(old_columns)
+            writer.writerow([results._csv_cell(old[c]) for c in old_columns])
+    else:
+        path.write_text(results.row_to_json(old) + "\n")
+    append_rows(path, [ok_row(points()[0], 5.0)])
+    frame = read_results(path)
+    assert frame["rel_err"].tolist() == [0.01, 0.01]
+    assert math.isnan(frame["rel_err_layer"][0]) and frame["rel_err_layer"][1] == 0.004
+    view = summary(frame)
+    assert view.columns.get_loc("rel_err_layer") + 1 == view.columns.get_loc("rel_err")
+    table = markdown_table(view)
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    assert header[view.columns.get_loc("rel_err_layer")] == "rel err"
+    assert header[view.columns.get_loc("rel_err")] == "worst rank"
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [r[header.index("rel err")] for r in rows] == ["-", "4.00e-03"]
+    assert [r[header.index("worst rank")] for r in rows] == ["1.00e-02", "1.00e-02"]
 
 
 def test_jsonl_nan_is_written_as_null(tmp_path):

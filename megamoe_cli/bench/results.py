@@ -17,8 +17,12 @@ One row per (run, point).  Columns whose meaning is not in their name:
 - ``floor_us``: roofline floor of the layer on this GPU (``floor_bound``: the
   term that sets it); ``floor_fraction = floor_us / time_us_median``, 1.0 is
   the roofline.  Empty on CPU.
-- ``rel_err``: ``||y - y_ref|| / ||y_ref||`` against the distributed reference,
-  the worst rank; empty when the point ran without ``check``.
+- ``rel_err_layer``: ``||y - y_ref|| / ||y_ref||`` of the whole layer against the
+  distributed reference, every rank's rows pooled (``reference.pooled_relative_error``):
+  what the GPU tests and ``megamoe tune`` judge; empty when the point ran without
+  ``check``, and in rows written before the column existed.
+- ``rel_err``: the same ratio on the worst rank alone.  A rank holding a token or two
+  scatters far more than the layer by rounding alone (see ``reference``).
 - ``run_id``: one ``megamoe bench`` invocation; rows of one run compare
   directly (``speedup_vs_torch`` in the summary view).
 
@@ -85,6 +89,7 @@ COLUMNS = (
     "floor_fraction",
     "floor_bound",
     "rel_err",
+    "rel_err_layer",
     *ENV_COLUMNS,
 )
 
@@ -101,6 +106,7 @@ FLOAT_COLUMNS = (
     "floor_us",
     "floor_fraction",
     "rel_err",
+    "rel_err_layer",
 )
 INT_COLUMNS = (
     *SHAPE_COLUMNS,
@@ -153,6 +159,7 @@ def make_row(
     timing: Optional[Dict[str, Any]] = None,
     metrics: Optional[Dict[str, Any]] = None,
     rel_err: Optional[float] = None,
+    rel_err_layer: Optional[float] = None,
     config: Optional[Dict[str, Any]] = None,
     inputs_copy_timed: Optional[bool] = None,
 ) -> Row:
@@ -200,6 +207,7 @@ def make_row(
         "floor_fraction": nan,
         "floor_bound": "",
         "rel_err": nan if rel_err is None else rel_err,
+        "rel_err_layer": nan if rel_err_layer is None else rel_err_layer,
     }
     for source in (timing or {}, metrics or {}):
         for key, value in source.items():
@@ -439,6 +447,7 @@ SUMMARY_COLUMNS = (
     "time_us_median",
     "tflops",
     "floor_fraction",
+    "rel_err_layer",
     "rel_err",
     "speedup_vs_torch",
 )

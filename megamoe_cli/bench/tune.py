@@ -789,7 +789,8 @@ def tune_point(worker, index: int, point: Point) -> Dict[str, Any]:
         reasons = "; ".join(f"{r.candidate.label}: {r.reason}" for r in results[:3])
         return row(STATUS_FAILED, error=f"no candidate passed ({reasons})")
     timing = {"time_us_median": winner.time_us, "slowest_rank": winner.slowest_rank}
-    return row(STATUS_OK, timing=timing, rel_err=winner.rel_err, config=winner.candidate.backend_config())
+    return row(STATUS_OK, timing=timing, rel_err=winner.rel_err, rel_err_layer=winner.rel_err_layer,
+               config=winner.candidate.backend_config())
 
 
 # ---------------------------------------------------------------------------

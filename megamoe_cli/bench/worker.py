@@ -325,7 +325,7 @@ class Worker:
             "stats": state["stats"],
             "counts": state["counts"],
             "num_tokens": state["problem"].num_tokens,
-            "rel_err": state.get("rel_err"),
+            "err_sq": state.get("err_sq"),
             "config": state["config"],
             "inputs_copy_timed": state["inputs_copy_timed"],
         }
@@ -392,10 +392,10 @@ class Worker:
         point = state["point"]
         if not point.check:
             return
-        from ..reference import moe_reference_distributed
+        from ..reference import moe_reference_distributed, squared_error
 
         y_ref = moe_reference_distributed(state["problem"], self.group)
-        state["rel_err"] = relative_error(state["y"], y_ref)
+        state["err_sq"] = squared_error(state["y"], y_ref)
 
     def _summarize(self, point, everyone: List[Dict[str, Any]], status: str) -> Dict[str, Any]:
         from ..errors import MegaMoEError
@@ -414,13 +414,17 @@ class Worker:
             metrics = metric_columns(model, stats.median_us, self.gpu)
         except MegaMoEError:
             metrics = {}
-        errs = [e["rel_err"] for e in everyone if e["rel_err"] is not None]
+        from ..reference import pooled_relative_error
+
+        squares = [e["err_sq"] for e in everyone if e["err_sq"] is not None]
+        layer, worst = pooled_relative_error(squares) if squares else (None, None)
         return self._row(
             point,
             status=status,
             timing=timing,
             metrics=metrics,
-            rel_err=max(errs) if errs else None,
+            rel_err=worst,
+            rel_err_layer=layer,
             config=everyone[0]["config"],
             inputs_copy_timed=all(e["inputs_copy_timed"] for e in everyone),
         )

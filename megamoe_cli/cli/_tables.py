@@ -13,10 +13,12 @@ HEADERS = {
     "calls_per_sample": "calls/sample",
     "tflops": "TFLOPS",
     "floor_fraction": "of floor",
-    "rel_err": "rel err",
+    "rel_err_layer": "rel err",
+    "rel_err": "worst rank",
     "speedup_vs_torch": "vs torch",
 }
-NUMERIC = ("num_tokens", "block_m", "time_us_median", "iters", "calls_per_sample", "tflops", "floor_fraction", "rel_err", "speedup_vs_torch")
+NUMERIC = ("num_tokens", "block_m", "time_us_median", "iters", "calls_per_sample", "tflops", "floor_fraction", "rel_err_layer", "rel_err",
+           "speedup_vs_torch")
 
 
 def plain(value):
@@ -38,7 +40,7 @@ def _cell(column: str, value) -> str:
         return f"{value:.3g}"
     if column == "floor_fraction":
         return f"{100 * value:.1f}%"
-    if column == "rel_err":
+    if column in ("rel_err", "rel_err_layer"):
         return f"{value:.2e}"
     if column == "speedup_vs_torch":
         return f"{value:.2f}x"
