@@ -389,7 +389,7 @@ PROFILE_SLOTS = (
     "producer_arrival", "producer_empty", "producer_total", "consumer_loop", "consumer_start",
     "combine_barrier", "reduce", "consumer_total", "samplers", "dispatch_pull", "dispatch_schedule",
     "epilogue_l1_math", "epilogue_l1_release", "mainloop_l1", "mainloop_head", "dispatch_start",
-    "dispatch_count", "dispatch_exchange",
+    "dispatch_count", "dispatch_exchange", "mainloop_head_l2",
 )
 
 

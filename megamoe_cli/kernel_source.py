@@ -201,11 +201,12 @@ def pack_params(
 ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
 # Diagnostic builds (timing only; NOPROMO / SAME_A / SAME_B give wrong results on purpose, PULL1
 # pulls tokens with one warp per CTA, STATIC_TILES takes tiles in a static round robin instead of
-# from the atomic counter; fault injection: SLOW_PUBLISHER starts the L1 publisher warp 2 ms late
+# from the atomic counter, NO_L2_STORES drops the L2 epilogue's stores and NO_SILU the L1
+# epilogue's exponential and division (wrong results); fault injection: SLOW_PUBLISHER starts the L1 publisher warp 2 ms late
 # (correct results), STUCK_PUBLISHER never lets it publish (a timeout diagnostic)): see
 # csrc/megamoe/gemm.cuh and dispatch.cuh.
 EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1", "STATIC_TILES", "SLOW_PUBLISHER",
-               "STUCK_PUBLISHER")
+               "STUCK_PUBLISHER", "NO_L2_STORES", "NO_SILU")
 
 
 def experiment_defines() -> Tuple[str, ...]:
@@ -291,5 +292,5 @@ def smem_bytes(variant: Variant) -> int:
     tile_slots = 8 * (variant.num_stages + 2)  # the cluster leader's tile forwards (kTileSlots)
     schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8 + 8  # + epoch, direct
     send_count = 4 * variant.shape.num_experts  # small calls count their pairs in shared memory
-    profile = 3 * 12 * 8  # cycle counters of profiling builds
+    profile = 3 * 13 * 8  # cycle counters of profiling builds
     return stages + staging + barriers + tile_slots + schedule + send_count + profile + 1024 + 256  # alignment slack

@@ -275,7 +275,9 @@ def print_profile(c: dict, config, rank=None, kb_l1: int = 0, kb_l2: int = 0) ->
         f"{c['stage_wait'] / n:.0f} = {pct(c['stage_wait'] / n)})",
         f"        per K block: L1 tiles {per_kb(c['mainloop_l1'], c['tiles_l1'], kb_l1)}, L2 tiles "
         f"{per_kb(c['mainloop'] - c['mainloop_l1'], c['tiles_l2'], kb_l2)}, a tile's first two "
-        f"{per_kb(c['mainloop_head'], c['tiles_l1'] + c['tiles_l2'], 2)}",
+        f"{per_kb(c['mainloop_head'], c['tiles_l1'] + c['tiles_l2'], 2)} (L1 tiles "
+        f"{per_kb(c['mainloop_head'] - c.get('mainloop_head_l2', 0), c['tiles_l1'], 2)}, L2 tiles "
+        f"{per_kb(c.get('mainloop_head_l2', 0), c['tiles_l2'], 2)})",
         f"      epilogue L1         {c['epilogue_l1'] / n:12.0f} {pct(c['epilogue_l1'] / n)}  over {c['tiles_l1'] / n:.1f} tiles (math+stores "
         f"{c['epilogue_l1_math'] / n:.0f}, fence+barrier+release {c['epilogue_l1_release'] / n:.0f})",
         f"      epilogue L2         {c['epilogue_l2'] / n:12.0f} {pct(c['epilogue_l2'] / n)}  over {c['tiles_l2'] / n:.1f} tiles",

@@ -137,6 +137,7 @@ enum ProfileSlot : uint32_t {
     kProfDispatchStart = 22,     // dispatch: CTA start (thread 0's first instruction) -> roles split
     kProfDispatchCount = 23,     // dispatch: count phase (its atomics and stores issued)
     kProfDispatchExchange = 24,  // dispatch: count exchange (fence, adds, wait for every CTA)
+    kProfMainloopHeadL2 = 25,    // consumer: the first two K blocks of L2 tiles (part of kProfMainloopHead)
 };
 
 // Timeline events of the profiling build (info: a tile as trace_tile packs it, or 0)

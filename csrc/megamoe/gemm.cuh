@@ -32,7 +32,7 @@ struct SharedStorage {
     Schedule schedule;
     // Pairs per expert of a call small enough for CTA 0 to count alone (dispatch_count)
     uint32_t send_count[kNumExperts];
-    MEGAMOE_PROF(uint64_t prof[3][12];)  // per consumer warpgroup (slots 0-6, 10-11), then the producer
+    MEGAMOE_PROF(uint64_t prof[3][13];)  // per consumer warpgroup (slots 0-6, 10-12), then the producer
 };
 
 struct Tile {
@@ -456,7 +456,11 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
                 for (uint32_t e = 0; e < 2; ++e) {
                     float& gate = acc[64 * h + 8 * g + 2 * r + e];
                     const float up = acc[64 * h + 8 * g + 4 + 2 * r + e];
+#ifdef MEGAMOE_EXP_NO_SILU  // diagnostic: act = gate * up * weight, no exp / division (wrong results)
+                    gate = gate * up * weight[r];
+#else
                     gate = silu(gate) * up * weight[r];
+#endif
                     amax[r] = fmaxf(amax[r], fabsf(gate));
                 }
             }
@@ -606,6 +610,9 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
                     const __nv_bfloat162 v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
                     packed[t] = *reinterpret_cast<const uint32_t*>(&v);
                 }
+#ifdef MEGAMOE_EXP_NO_L2_STORES  // diagnostic: the L2 epilogue converts but stores nothing (wrong results)
+                if (tile.rows == 0xffffffffu)  // never true; keeps the conversions
+#endif
                 *reinterpret_cast<uint4*>(dst + slice.half(h) * 128 + 32 * jj + 8 * q) =
                     make_uint4(packed[0], packed[1], packed[2], packed[3]);
             }
@@ -640,7 +647,11 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         // in uniform registers (32 R2UR and ~50 instructions fewer per K block; notes entry 26).
         const uint32_t stage = __shfl_sync(0xffffffffu, it, 0) % kNumStages;
         const uint32_t phase = (it / kNumStages) & 1;
-        MEGAMOE_PROF(if (prof && kb == 2) prof_c[11] += clock64() - prof_c[8];)
+        MEGAMOE_PROF(if (prof && kb == 2) {
+            prof_c[11] += clock64() - prof_c[8];
+            if (tile.is_l2)
+                prof_c[12] += clock64() - prof_c[8];
+        })
         MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
         if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
             return phase;
@@ -737,7 +748,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
     bool prof = false;
     uint64_t* prof_c = nullptr;
     MEGAMOE_PROF(prof = tid % 128 == 0; prof_c = ss.prof[wg];
-                 if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = 0;
+                 if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = prof_c[12] = 0;
                              prof_c[9] = clock64(); })
     while (true) {
         // The first stage of a tile says which tile it is (or that none is left).
@@ -776,6 +787,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
             MEGAMOE_PROF_ADD(i, prof_c[i]);
         MEGAMOE_PROF_ADD(kProfMainloopL1, prof_c[10]);
         MEGAMOE_PROF_ADD(kProfMainloopHead, prof_c[11]);
+        MEGAMOE_PROF_ADD(kProfMainloopHeadL2, prof_c[12]);
         MEGAMOE_PROF_ADD(kProfConsumerLoop, clock64() - prof_c[9]);
     })
     return kConsumerOk;
