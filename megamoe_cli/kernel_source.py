@@ -221,34 +221,6 @@ def experiment_defines() -> Tuple[str, ...]:
     return tuple(f"MEGAMOE_EXP_{n}" for n in names)
 
 
-ENV_L2_STORES = "MEGAMOE_L2_STORES"
-# How the L2 epilogue writes its BF16 rows: "direct" (vector stores from the registers) or
-# "staged" (each warp's rows into shared memory, then bulk copies that the TMA unit drains while
-# the consumers go on; needs kNumHalvesPerWg * 256 + 16 bytes per row for 8 warps x 16 rows, so
-# only variants with room for it are built that way: block_m 128 with 3 stages, block_m 64 with
-# up to 4; the others store directly).
-L2_STORE_MODES = ("direct", "staged")
-DEFAULT_L2_STORES = "direct"
-
-
-def l2_stores() -> str:
-    """The L2 epilogue's store mode from ``$MEGAMOE_L2_STORES`` or the default."""
-    mode = os.environ.get(ENV_L2_STORES, "").strip().lower() or DEFAULT_L2_STORES
-    if mode not in L2_STORE_MODES:
-        raise MegaMoEError(f"{ENV_L2_STORES}={mode!r}; expected one of {list(L2_STORE_MODES)}")
-    return mode
-
-
-def l2_staging_bytes(block_m: int) -> int:
-    """Shared memory of the staged L2 epilogue: 8 consumer warps x 16 rows of a warp's part of a tile row."""
-    return 8 * 16 * ((block_m // 64) * 256 + 16)
-
-
-def staged_l2(variant: "Variant") -> bool:
-    """Whether ``variant`` is built with the staged L2 epilogue (``l2_stores`` and room for it)."""
-    return l2_stores() == "staged" and _smem_bytes(variant, True) <= MAX_SMEM_BYTES
-
-
 ENV_PROMOTION_HINTS = "MEGAMOE_PROMOTION_HINTS"
 # Scheduling hints of the promotion FFMAs edited after linking (``jit/sass.py``): "off",
 # "<mode>" or "<mode>:<share of each run>" with mode "yield" or "hold".
@@ -300,8 +272,6 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
     head = "\n".join(f"#define {k} {v}u" for k, v in defines.items())
     if profile:
         head += "\n#define MEGAMOE_PROFILE 1"
-    if staged_l2(variant):
-        head += "\n#define MEGAMOE_STAGED_L2 1"
     for macro in experiment_defines():
         head += f"\n#define {macro} 1"
     return (
@@ -315,10 +285,6 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
 
 def smem_bytes(variant: Variant) -> int:
     """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
-    return _smem_bytes(variant, staged_l2(variant))
-
-
-def _smem_bytes(variant: Variant, staged: bool) -> int:
     e_local = variant.shape.num_experts // variant.num_ranks
     stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
@@ -327,6 +293,4 @@ def _smem_bytes(variant: Variant, staged: bool) -> int:
     schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8 + 8  # + epoch, direct
     send_count = 4 * variant.shape.num_experts  # small calls count their pairs in shared memory
     profile = 3 * 13 * 8  # cycle counters of profiling builds
-    l2_staging = l2_staging_bytes(variant.block_m) + 128 if staged else 0  # + its alignment
-    return (stages + staging + barriers + tile_slots + schedule + send_count + profile + l2_staging
-            + 1024 + 256)  # alignment slack
+    return stages + staging + barriers + tile_slots + schedule + send_count + profile + 1024 + 256  # alignment slack

@@ -8,7 +8,6 @@ namespace megamoe {
 
 // Slots of the ring through which a cluster leader forwards tiles (TileSource)
 constexpr uint32_t kTileSlots = kNumStages + 2;
-constexpr uint32_t kL2StagingRowBytes = kNumHalvesPerWg * 256 + 16;  // a warp's row part + padding
 
 struct SharedStorage {
     // Stage buffers (each A/B tile 1024-byte aligned for the 128B swizzle)
@@ -19,12 +18,6 @@ struct SharedStorage {
     // L1; {half 0, -, half 1, -} for L2 (copied by the producer with the stage)
     alignas(16) float sfb[kNumStages][4];
     float row_amax[2][64];
-#ifdef MEGAMOE_STAGED_L2
-    // Each consumer warp's 16 BF16 rows of its last L2 tile, sent by bulk copies (epilogue_l2):
-    // a warp only ever touches its own rows, whatever part of a tile it holds.  16 bytes of
-    // padding per row put the 8 rows of one vector store in different banks.
-    alignas(128) uint8_t l2_staging[kNumConsumerThreads / 32][16][kL2StagingRowBytes];
-#endif
     // L1 tiles handed to the publisher warp (publish_l1_tiles), by parity: {ready word index,
     // bit, the tile's sequence number among this CTA's L1 tiles, -}
     alignas(16) uint4 publish_slot[2];
@@ -588,67 +581,15 @@ __device__ __forceinline__ void publish_l1_tiles(const Params& p, SharedStorage&
 // combine slot [k][token].  W2's output rows are permuted inside every 32-row group (see
 // transform_weights_for_mega_moe): accumulator column 32 jj + 8 t + 2 q + e holds output
 // column 32 jj + 8 q + 2 t + e, so lane q of a quad owns 8 consecutive output columns
-// (16 bytes) per 32-column group and writes them with one vector store, straight to the
-// combine slot or (MEGAMOE_STAGED_L2) into the warp's staging rows.
+// (16 bytes) per 32-column group and writes them with one vector store; no staging.
 template <typename Slice>
 __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
                                             const float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
                                             const EpilogueInputs& in) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
-    __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
-#ifdef MEGAMOE_STAGED_L2
-    // Staged: the warp writes its rows into shared memory and lanes 0-15 send one row each
-    // (its Slice::kHalves x 256 bytes) with a bulk copy, which the TMA unit drains while the
-    // consumers go on: the SM no longer waits for 64 KiB of stores at every L2 tile end.
-    // The warp's rows from its previous L2 tile must have been read first.
-    if (lane < 16)
-        ptx::bulk_wait_read_all();
-    __syncwarp();
-    uint8_t(&staging)[16][kL2StagingRowBytes] = ss.l2_staging[slice.wg * 4 + warp];
-    #pragma unroll
-    for (uint32_t r = 0; r < 2; ++r) {
-        if (!in.valid[r])
-            continue;
-        uint8_t* row = staging[lane / 4 + 8 * r];
-        #pragma unroll
-        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
-            #pragma unroll
-            for (uint32_t jj = 0; jj < 4; ++jj) {
-                uint32_t packed[4];
-                #pragma unroll
-                for (uint32_t t = 0; t < 4; ++t) {
-                    const uint32_t i = 64 * h + 4 * (4 * jj + t) + 2 * r;
-                    const __nv_bfloat162 v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
-                    packed[t] = *reinterpret_cast<const uint32_t*>(&v);
-                }
-                *reinterpret_cast<uint4*>(row + 256 * h + 64 * jj + 16 * q) =
-                    make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            }
-        }
-    }
-    ptx::fence_proxy_async_shared();  // this thread's rows, visible to the bulk copies
-    __syncwarp();
-    // Lane l < 16 sends the warp's row l % 8 + 8 (l / 8), whose routing lane 4 (l % 8) loaded.
-    const uint32_t from = 4 * (lane % 8);
-    const bool second = (lane / 8) % 2 == 1;
-    const int x0 = __shfl_sync(0xffffffffu, in.src[0].x, from), x1 = __shfl_sync(0xffffffffu, in.src[1].x, from);
-    const int y0 = __shfl_sync(0xffffffffu, in.src[0].y, from), y1 = __shfl_sync(0xffffffffu, in.src[1].y, from);
-    const int z0 = __shfl_sync(0xffffffffu, in.src[0].z, from), z1 = __shfl_sync(0xffffffffu, in.src[1].z, from);
-    const bool v0 = __shfl_sync(0xffffffffu, in.valid[0], from), v1 = __shfl_sync(0xffffffffu, in.valid[1], from);
-    if (lane < 16) {
-        if (second ? v1 : v0) {
-            __nv_bfloat16* dst = combine +
-                                 (static_cast<uint64_t>(second ? z1 : z0) * kNumMaxTokens +
-                                  static_cast<uint32_t>(second ? y1 : y0)) * kHidden +
-                                 tile.n * kBlockN + 128 * slice.half(0);
-            dst = map_to_rank(p, dst, static_cast<uint32_t>(second ? x1 : x0));
-            ptx::bulk_store(dst, staging[lane % 8 + 8 * (lane / 8)], Slice::kHalves * 256);
-        }
-        ptx::bulk_commit();
-    }
-#else
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     (void)ss;
-    (void)warp;
+    __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
     #pragma unroll
     for (uint32_t r = 0; r < 2; ++r) {
         if (!in.valid[r])
@@ -677,7 +618,6 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
             }
         }
     }
-#endif
 }
 
 // MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.

@@ -134,11 +134,6 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     const bool first_valid = reduce_first_slot_valid(p, reduce_warp, reduce_warps, ct % 32);
 
     // Every local L2 push is done; wait for every rank's pushes into our combine buffer.
-#ifdef MEGAMOE_STAGED_L2
-    if (tid % 32 < 16)
-        ptx::bulk_wait_all();  // this lane's bulk copies of L2 rows have written their rows
-    ptx::fence_proxy_async_global();
-#endif
     __threadfence_system();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     if (ct == 0)
