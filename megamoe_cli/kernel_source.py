@@ -202,12 +202,11 @@ ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
 # Diagnostic builds (timing only; NOPROMO / SAME_A / SAME_B give wrong results on purpose, PULL1
 # pulls tokens with one warp per CTA, STATIC_TILES takes tiles in a static round robin instead of
 # from the atomic counter, NO_L2_STORES drops the L2 epilogue's stores and NO_SILU the L1
-# epilogue's exponential and division (wrong results), L2_STORES_CS makes the pushes streaming
-# (evict-first) stores (correct results); fault injection: SLOW_PUBLISHER starts the L1 publisher warp 2 ms late
+# epilogue's exponential and division (wrong results); fault injection: SLOW_PUBLISHER starts the L1 publisher warp 2 ms late
 # (correct results), STUCK_PUBLISHER never lets it publish (a timeout diagnostic)): see
 # csrc/megamoe/gemm.cuh and dispatch.cuh.
 EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1", "STATIC_TILES", "SLOW_PUBLISHER",
-               "STUCK_PUBLISHER", "NO_L2_STORES", "NO_SILU", "L2_STORES_CS")
+               "STUCK_PUBLISHER", "NO_L2_STORES", "NO_SILU")
 
 
 def experiment_defines() -> Tuple[str, ...]:

@@ -613,13 +613,8 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 #ifdef MEGAMOE_EXP_NO_L2_STORES  // diagnostic: the L2 epilogue converts but stores nothing (wrong results)
                 if (tile.rows == 0xffffffffu)  // never true; keeps the conversions
 #endif
-#ifdef MEGAMOE_EXP_L2_STORES_CS  // experiment: the pushes as streaming (evict-first) stores
-                ptx::st_global_cs_v4(dst + slice.half(h) * 128 + 32 * jj + 8 * q,
-                                     make_uint4(packed[0], packed[1], packed[2], packed[3]));
-#else
                 *reinterpret_cast<uint4*>(dst + slice.half(h) * 128 + 32 * jj + 8 * q) =
                     make_uint4(packed[0], packed[1], packed[2], packed[3]);
-#endif
             }
         }
     }
