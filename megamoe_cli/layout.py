@@ -261,7 +261,6 @@ def build_layout(config: BufferConfig) -> BufferLayout:
     T = cfg.num_max_tokens_per_rank
     H = cfg.shape.hidden
     I = cfg.shape.intermediate
-    E = cfg.shape.num_experts
     K = cfg.shape.num_topk
     E_local = cfg.num_experts_per_rank
     P = cfg.num_max_pool_tokens

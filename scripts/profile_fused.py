@@ -130,7 +130,7 @@ def main() -> None:
                     into.append(start.elapsed_time(end) * 1e3)
             us = slowest(statistics.median(times))
             layer_us = slowest(statistics.median(layer_times))
-            def back_to_back(*calls) -> list:
+            def back_to_back(buf, *calls) -> list:
                 """Per call: median over iters of 20 calls back to back (no host gaps or barriers), per call,
                 slowest rank.  The calls' samples alternate, so a clock that drifts over the run (the GPU
                 heats up under prefill) weighs on each of them alike."""
@@ -139,21 +139,21 @@ def main() -> None:
                     for call, samples in zip(calls, per_call):
                         if world > 1:
                             dist.barrier()
-                        synchronize(runner.buf)
+                        synchronize(buf)
                         call()
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record()
                         for _ in range(20):
                             call()
                         end.record()
-                        synchronize(runner.buf)
+                        synchronize(buf)
                         samples.append(start.elapsed_time(end) * 1e3 / 20)
                 return [slowest(statistics.median(samples)) for samples in per_call]
 
             if args.b2b_given and not args.given:  # samples of both kinds of call, alternated
-                b2b_us, b2b_given_us = back_to_back(kernel_call, given_call(runner))
+                b2b_us, b2b_given_us = back_to_back(runner.buf, kernel_call, given_call(runner))
             elif args.b2b:  # with --given, kernel_call already gives the inputs
-                (b2b_us,) = back_to_back(kernel_call)
+                (b2b_us,) = back_to_back(runner.buf, kernel_call)
                 b2b_given_us = b2b_us
             tflops = pairs * shape.flops_per_pair() / us / 1e6
             gbps = weight_bytes / us / 1e3

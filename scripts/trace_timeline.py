@@ -146,7 +146,7 @@ def summarize(events: List[Dict], bin_us: float = 2.0) -> str:
     # "in tiles": from a tile's first stage full to its epilogue's end (stage waits inside count as in);
     # "take -> first issue": the producer has the tile but has not issued its first stage (its A
     # rows or a free stage of the ring)
-    lines.append(f"time bin (us)   CTAs in L1 tiles   in L2 tiles   producers take -> first issue")
+    lines.append("time bin (us)   CTAs in L1 tiles   in L2 tiles   producers take -> first issue")
     for i in range(nbins):
         lines.append(f"  {i * bin_us:6.0f}  {busy[1][i]:16.1f} {busy[2][i]:13.1f} {waiting[i]:14.1f}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import pytest
 
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.heuristics import default_config
-from megamoe_cli.jit import KernelSource, build
+from megamoe_cli.jit import build
 from megamoe_cli.jit.sass import edited_cubin
 from megamoe_cli.kernel_source import (
     KERNEL_NAME,

@@ -12,7 +12,8 @@ namespace megamoe {
 // carries a CTA (bits 0-19); CTA 0's also carries its rank's number of working CTAs (bits
 // 20-39), its rank (bits 40-47) and, when the rank pushed its rows into the owners' direct
 // pools (dispatch_count), a push (bits 48-55), so no rank needs the others' counts: the
-// exchange is complete once every rank is announced and the CTAs equal the announced numbers.  Returns the number of ranks that pushed.
+// exchange is complete once every rank is announced and the CTAs equal the announced numbers.
+// Returns the number of ranks that pushed.
 // The word is this call's parity's ([0] or [1] of grid_sync), zeroed by the cleanup phase.
 // NOTES: a peer adds to the same parity's word again two calls later, after this rank's next
 // combine barrier, which this rank's next kernel signals only after this kernel's cleanup
