@@ -648,9 +648,10 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         const uint32_t stage = __shfl_sync(0xffffffffu, it, 0) % kNumStages;
         const uint32_t phase = (it / kNumStages) & 1;
         MEGAMOE_PROF(if (prof && kb == 2) {
-            prof_c[11] += clock64() - prof_c[8];
+            const uint64_t head = clock64() - prof_c[8];
+            prof_c[11] += head;
             if (tile.is_l2)
-                prof_c[12] += clock64() - prof_c[8];
+                prof_c[12] += head;
         })
         MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
         if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
