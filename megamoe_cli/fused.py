@@ -22,10 +22,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import weight_layout
 from .errors import MegaMoEError, MegaMoETimeout
 from .kernel_source import (
     ENV_EXPERIMENT,
     ENV_PROMOTION_HINTS,
+    FP4_STAGE_BYTES,
     KERNEL_NAME,
     NUM_THREADS,
     KernelConfig,
@@ -38,6 +40,7 @@ from .kernel_source import (
     smem_bytes,
     variant_for,
 )
+from .quant import check_mxfp4
 from .layout import (
     BufferConfig,
     BufferLayout,
@@ -188,6 +191,8 @@ class SymmBuffer:
         intermediate: int,
         *,
         block_m: int = 64,
+        weights: str = "fp8",
+        activation_clamp: float = 0.0,
         device: Optional[torch.device] = None,
     ):
         self.group = group
@@ -195,7 +200,8 @@ class SymmBuffer:
         self.config = BufferConfig(
             self.world_size,
             num_max_tokens_per_rank,
-            MoEShape(hidden=hidden, intermediate=intermediate, num_experts=num_experts, num_topk=num_topk),
+            MoEShape(hidden=hidden, intermediate=intermediate, num_experts=num_experts, num_topk=num_topk,
+                     weights=weights, activation_clamp=activation_clamp),
             block_m,
         )
         KernelConfig(block_m=block_m).validate()
@@ -310,16 +316,25 @@ class SymmBuffer:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """Weights in the layout the kernel reads."""
+    """Weights in the layout the kernel reads: FP8 tiles, or MXFP4 stages (``weights="fp4"``),
+    with the FP32 scale of every 128x128 block."""
 
     weight: torch.Tensor
     scale: torch.Tensor
+    weights: str = "fp8"
 
 
 def transform_weights_for_mega_moe(
     l1: Tuple[torch.Tensor, torch.Tensor], l2: Tuple[torch.Tensor, torch.Tensor]
 ) -> Tuple[ExpertWeights, ExpertWeights]:
-    """One-time re-layout of FP8 expert weights and their 128x128 scales.
+    """One-time re-layout of FP8 expert weights and their 128x128 scales, or of MXFP4 weights.
+
+    FP8: ``l1 = (w1 fp8 [E, 2I, H], f32 [E, 2I/128, H/128])``, ``l2 = (w2 fp8 [E, H, I], f32
+    [E, H/128, I/128])``.  MXFP4 (SPEC §2b): ``l1 = (uint8 [E, 2I, H/2], ue8m0 uint8 [E, 2I, H/32])``,
+    ``l2 = (uint8 [E, H, I/2], uint8 [E, H, I/32])``, e2m1 codes two per byte (lower K index in the
+    low nibble) and one power-of-two scale per 32 along K (``quant.quantize_mxfp4`` makes them);
+    the kernel streams them at half the bytes and expands them to e4m3 on chip
+    (``weight_layout``).  Both layers take the same format.
 
     L1 ``[E, 2I, H]`` (gate rows then up rows) becomes gate/up interleaved by 8 rows, so one
     accumulator fragment holds matching gate and up columns; its scales become
@@ -341,6 +356,14 @@ def transform_weights_for_mega_moe(
             raise MegaMoEError(f"{name} must be a (weight, scales) pair of tensors, got {type(pair).__name__}")
     w1, w1_sf = l1
     w2, w2_sf = l2
+    formats = {name: "fp4" if w.dtype == torch.uint8 else "fp8" for name, w in (("l1", w1), ("l2", w2))}
+    if len(set(formats.values())) > 1:
+        raise MegaMoEError(
+            f"l1 and l2 must be in one weight format, got l1 {formats['l1']} ({w1.dtype}) and l2 {formats['l2']} "
+            f"({w2.dtype}); quantize both with quant.quantize_mxfp4, or neither"
+        )
+    if formats["l1"] == "fp4":
+        return _transform_mxfp4(w1, w1_sf, w2, w2_sf)
     if w1.dim() != 3 or w2.dim() != 3:
         raise MegaMoEError(f"expected 3-D expert weights, got w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}")
     e, two_i, h = w1.shape
@@ -364,22 +387,44 @@ def transform_weights_for_mega_moe(
         )
     if h % 256:
         raise MegaMoEError(f"the fused kernel needs hidden to be a multiple of 256, got {h}")
-    w1_t = w1.view(torch.uint8).view(e, 2, i // 8, 8, h).permute(0, 2, 1, 3, 4).reshape(e, two_i, h)
-    gate_sf = w1_sf[:, : i // 128].repeat_interleave(2, dim=1)
-    up_sf = w1_sf[:, i // 128 :].repeat_interleave(2, dim=1)
-    w1_sf_t = torch.stack([gate_sf, up_sf], dim=-1).contiguous()
-    # output rows: inside each 32-row group, row 8 t + 2 q + e <- channel 8 q + 2 t + e
-    w2_t = w2.view(torch.uint8).view(e, h // 32, 4, 4, 2, i).transpose(2, 3).reshape(e, h, i)
-    # K columns: inside each 64-column group, column 16 q + 2 g + e <- channel 8 g + 2 q + e
-    w2_t = w2_t.view(e, h, i // 64, 8, 4, 2).transpose(3, 4).reshape(e, h, i)
-    return (ExpertWeights(_tile(w1_t), w1_sf_t), ExpertWeights(_tile(w2_t), w2_sf.contiguous()))
+    w1_t = weight_layout.permute_l1_rows(w1.view(torch.uint8))
+    w2_t = weight_layout.permute_l2_columns(weight_layout.permute_l2_rows(w2.view(torch.uint8)))
+    return (ExpertWeights(_tile(w1_t), _l1_block_scales(w1_sf)), ExpertWeights(_tile(w2_t), w2_sf.contiguous()))
+
+
+def _l1_block_scales(w1_sf: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I/128, H/128]`` (gate blocks, then up blocks) -> ``[E, 2I/128, H/128, 2]``: for each
+    interleaved 128-row block, the scale of its 64 gate rows and of its 64 up rows."""
+    i_blocks = w1_sf.shape[1] // 2
+    gate_sf = w1_sf[:, :i_blocks].repeat_interleave(2, dim=1)
+    up_sf = w1_sf[:, i_blocks:].repeat_interleave(2, dim=1)
+    return torch.stack([gate_sf, up_sf], dim=-1).contiguous()
+
+
+def _transform_mxfp4(w1: torch.Tensor, w1_sf: torch.Tensor, w2: torch.Tensor, w2_sf: torch.Tensor
+                     ) -> Tuple[ExpertWeights, ExpertWeights]:
+    check_mxfp4("transform_weights_for_mega_moe: l1", w1, w1_sf)
+    check_mxfp4("transform_weights_for_mega_moe: l2", w2, w2_sf)
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise MegaMoEError(f"expected 3-D MXFP4 expert weights, got w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}")
+    e, two_i, half_h = w1.shape
+    h, i = 2 * half_h, two_i // 2
+    if two_i % 256 or h % 256:
+        raise MegaMoEError(
+            f"w1 must be MXFP4 [E, 2*I, H/2] with I a multiple of 128 and H of 256, got {tuple(w1.shape)}"
+        )
+    if tuple(w2.shape) != (e, h, i // 2):
+        raise MegaMoEError(f"w2 must be MXFP4 [E, H, I/2] = {(e, h, i // 2)}, got {tuple(w2.shape)}")
+    if len({w1.device, w1_sf.device, w2.device, w2_sf.device}) > 1:
+        raise MegaMoEError("MXFP4 expert weights and scales must be on one device")
+    s1, bsf1 = weight_layout.fp4_layer(w1, w1_sf, "l1")
+    s2, bsf2 = weight_layout.fp4_layer(w2, w2_sf, "l2")
+    return (ExpertWeights(s1, _l1_block_scales(bsf1), "fp4"), ExpertWeights(s2, bsf2.contiguous(), "fp4"))
 
 
 def _tile(w: torch.Tensor) -> torch.Tensor:
     """``[E, N, K]`` bytes -> ``[E, N/256, K/128, 256, 128]`` FP8 (one pipeline stage contiguous)."""
-    e, n, k = w.shape
-    tiled = w.reshape(e, n // 256, 256, k // 128, 128).permute(0, 1, 3, 2, 4).contiguous()
-    return tiled.view(torch.float8_e4m3fn)
+    return weight_layout.tile_stages(w, 128).view(torch.float8_e4m3fn)
 
 
 PROFILE_ENV = "MEGAMOE_PROFILE"
@@ -599,6 +644,8 @@ def launch_tail(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights) -> Dict[s
     """The scalar launch parameters as a plan starts them; ``y``, ``num_tokens`` and the input
     addresses are written per call."""
     return {
+        "w1": l1.weight.data_ptr(),
+        "w2": l2.weight.data_ptr(),
         "w1_sf": l1.scale.data_ptr(),
         "w2_sf": l2.scale.data_ptr(),
         "y": 0,
@@ -619,11 +666,22 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
     variant = variant_for(cfg, config)
     if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
-    _check_tensor("l1 weight", l1.weight, torch.float8_e4m3fn,
-                  (e_local, 2 * s.intermediate // 256, s.hidden // 128, 256, 128), device)
+    if l1.weights != s.weights or l2.weights != s.weights:
+        raise MegaMoEError(
+            f"mega_moe: the buffer was made for {s.weights} weights (SymmBuffer(weights=...)), got l1 {l1.weights} "
+            f"and l2 {l2.weights}"
+        )
+    if s.weights == "fp4":
+        _check_tensor("l1 weight", l1.weight, torch.uint8,
+                      (e_local, 2 * s.intermediate // 256, s.hidden // 128, FP4_STAGE_BYTES), device)
+        _check_tensor("l2 weight", l2.weight, torch.uint8,
+                      (e_local, s.hidden // 256, s.intermediate // 128, FP4_STAGE_BYTES), device)
+    else:
+        _check_tensor("l1 weight", l1.weight, torch.float8_e4m3fn,
+                      (e_local, 2 * s.intermediate // 256, s.hidden // 128, 256, 128), device)
+        _check_tensor("l2 weight", l2.weight, torch.float8_e4m3fn,
+                      (e_local, s.hidden // 256, s.intermediate // 128, 256, 128), device)
     _check_tensor("l1 scales", l1.scale, torch.float32, (e_local, 2 * s.intermediate // 128, s.hidden // 128, 2), device)
-    _check_tensor("l2 weight", l2.weight, torch.float8_e4m3fn,
-                  (e_local, s.hidden // 256, s.intermediate // 128, 256, 128), device)
     _check_tensor("l2 scales", l2.scale, torch.float32, (e_local, s.hidden // 128, s.intermediate // 128), device)
     kernel = get_kernel(variant, device)
     tail = launch_tail(buf, l1, l2)
@@ -796,7 +854,8 @@ class _FusedRunner:
             _BUFFERS.clear()
             torch.cuda.empty_cache()
             buf = SymmBuffer(group, s.num_experts, problem.num_max_tokens_per_rank, s.num_topk, s.hidden,
-                             s.intermediate, block_m=kernel_cfg.block_m)
+                             s.intermediate, block_m=kernel_cfg.block_m, weights=s.weights,
+                             activation_clamp=s.activation_clamp)
             _BUFFERS[key] = buf
         self.buf = buf
         self.problem = problem

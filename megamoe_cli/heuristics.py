@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 from . import tuned
 from .gpus import gpu_spec
-from .kernel_source import MAX_SMEM_BYTES, SUPPORTED_BLOCK_M, SUPPORTED_STAGES, Variant, smem_bytes
+from .kernel_source import FP4_CONFIGS, MAX_SMEM_BYTES, SUPPORTED_BLOCK_M, SUPPORTED_STAGES, Variant, smem_bytes
 from .layout import MoEShape
 
 DEFAULT_KNOBS = {
@@ -77,6 +77,8 @@ def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, g
     gpu_spec(gpu)  # an unknown GPU name is an error here, not a silent default
     config = dict(DEFAULT_KNOBS)
     config["block_m"] = _block_m(expected_tokens_per_expert(shape, world_size, num_tokens_per_rank))
+    if shape.weights == "fp4":  # the MXFP4 kernel's one (block_m, cluster_m)
+        config["block_m"], config["cluster_m"] = FP4_CONFIGS[0]
     config["num_stages"] = _num_stages(shape, world_size, config["block_m"])
     return config
 

@@ -23,6 +23,12 @@ SUPPORTED_BLOCK_M = (64, 128)
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4, 5)
 SUPPORTED_CLUSTER_M = (1, 2)
+# MXFP4 weights: each consumer warpgroup expands the 128 B rows it reads (csrc gemm.cuh fp4_expand),
+# so both warpgroups must own column halves, which block_m 64 without clusters gives
+FP4_CONFIGS = ((64, 1),)
+# One MXFP4 weight stage as megamoe_cli/weight_layout.py stores it: 256 rows of 128 K as 64 bytes of
+# e2m1 codes, then the rows' four 32-wide runs' scale indices
+FP4_STAGE_BYTES = BLOCK_N * (128 // 2 + 128 // 32)
 KERNEL_NAME = "megamoe_kernel"
 NUM_THREADS = 384
 
@@ -39,6 +45,8 @@ TMAP_BYTES = 128
 # Every segment's offset, in layout order (names match layout segments, prefixed "off_").
 OFFSET_SEGMENTS: Tuple[str, ...] = SEGMENT_NAMES
 TAIL_FIELDS: Tuple[str, ...] = (
+    "w1",  # MXFP4 builds stream weight stages by address (FP8 builds by tensor map)
+    "w2",
     "w1_sf",
     "w2_sf",
     "y",
@@ -104,8 +112,11 @@ class Variant:
     @property
     def name(self) -> str:
         s = self.shape
+        # FP8 weights without a clamp keep the names (and cache entries) they always had
+        fmt = "" if s.weights == "fp8" else f"_w{s.weights}"
+        clamp = f"_clamp{s.activation_clamp:g}" if s.activation_clamp else ""
         return (
-            f"megamoe_h{s.hidden}_i{s.intermediate}_e{s.num_experts}_k{s.num_topk}"
+            f"megamoe_h{s.hidden}_i{s.intermediate}_e{s.num_experts}_k{s.num_topk}{fmt}{clamp}"
             f"_r{self.num_ranks}_t{self.num_max_tokens_per_rank}_m{self.block_m}_s{self.num_stages}_c{self.cluster_m}"
         )
 
@@ -120,6 +131,10 @@ class Variant:
             raise MegaMoEError(f"the fused kernel supports num_topk <= 32, got {self.shape.num_topk}")
         KernelConfig(block_m=self.block_m, num_stages=self.num_stages, cluster_m=self.cluster_m).validate()
         s = self.shape
+        if s.weights == "fp4" and (self.block_m, self.cluster_m) not in FP4_CONFIGS:
+            raise MegaMoEError(
+                f"MXFP4 weights run with (block_m, cluster_m) in {list(FP4_CONFIGS)}, got ({self.block_m}, {self.cluster_m})"
+            )
         n_tiles = {f"L1 (2 x intermediate {s.intermediate})": 2 * s.intermediate // BLOCK_N,
                    f"L2 (hidden {s.hidden})": s.hidden // BLOCK_N}
         for layer, count in n_tiles.items():
@@ -270,6 +285,10 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
         "MEGAMOE_SMEM_BYTES": smem_bytes(variant),
     }
     head = "\n".join(f"#define {k} {v}u" for k, v in defines.items())
+    if s.weights == "fp4":
+        head += "\n#define MEGAMOE_WEIGHT_FP4 1u"
+    if s.activation_clamp:
+        head += f"\n#define MEGAMOE_ACTIVATION_CLAMP {s.activation_clamp!r}f"
     if profile:
         head += "\n#define MEGAMOE_PROFILE 1"
     for macro in experiment_defines():
@@ -286,7 +305,12 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
 def smem_bytes(variant: Variant) -> int:
     """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
     e_local = variant.shape.num_experts // variant.num_ranks
-    stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
+    if variant.shape.weights == "fp4":
+        # A, the MXFP4 stage as stored, A scales, B scales per stage; two e4m3 B tiles; the table
+        stages = variant.num_stages * (variant.block_m * 128 + FP4_STAGE_BYTES + variant.block_m * 4 + 16)
+        stages += 2 * BLOCK_N * 128 + 1024
+    else:
+        stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
     staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
     barriers = 16 * variant.num_stages + 16 * variant.num_stages + 16  # full/empty, stage_tile (uint4) + alignment
     tile_slots = 8 * (variant.num_stages + 2)  # the cluster leader's tile forwards (kTileSlots)

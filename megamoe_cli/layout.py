@@ -45,6 +45,9 @@ def l2_ready_words(intermediate: int) -> int:
     return ceil_div(2 * intermediate // 256, 32)
 
 
+WEIGHT_FORMATS = ("fp8", "fp4")
+
+
 @dataclass(frozen=True)
 class MoEShape:
     """The model side of a MoE layer: what every rank agrees on."""
@@ -53,8 +56,18 @@ class MoEShape:
     intermediate: int
     num_experts: int
     num_topk: int
+    # Expert weight format: "fp8" (e4m3, 128x128 FP32 block scales) or "fp4" (MXFP4, SPEC §2b)
+    weights: str = "fp8"
+    # SwiGLU clamp of the models that have one: gate <= c, -c <= up <= c (0: none)
+    activation_clamp: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise MegaMoEError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        clamp = self.activation_clamp
+        if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp >= 0 or clamp == float("inf"):
+            raise MegaMoEError(f"activation_clamp must be a finite number >= 0 (0: no clamp), got {clamp!r}")
+        object.__setattr__(self, "activation_clamp", float(clamp))
         for name in ("hidden", "intermediate", "num_experts", "num_topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -75,10 +88,15 @@ class MoEShape:
         return 2 * self.hidden * self.intermediate * 3
 
 
-# Real models' MoE layers.  Names are what `--preset` accepts.
+# Real models' MoE layers.  Names are what `--preset` accepts.  DeepSeek-V4-Pro (the seeds' default
+# shape) and V4-Flash ship MXFP4 experts with a SwiGLU clamp of 10.
 PRESETS: Dict[str, MoEShape] = {
     "deepseek-v3": MoEShape(hidden=7168, intermediate=2048, num_experts=256, num_topk=8),
     "seed-default": MoEShape(hidden=7168, intermediate=3072, num_experts=384, num_topk=6),
+    "deepseek-v4-pro": MoEShape(hidden=7168, intermediate=3072, num_experts=384, num_topk=6, weights="fp4",
+                                activation_clamp=10.0),
+    "deepseek-v4-flash": MoEShape(hidden=4096, intermediate=2048, num_experts=256, num_topk=6, weights="fp4",
+                                  activation_clamp=10.0),
     "qwen3-235b": MoEShape(hidden=4096, intermediate=1536, num_experts=128, num_topk=8),
     "small": MoEShape(hidden=512, intermediate=256, num_experts=8, num_topk=2),
 }

@@ -26,7 +26,7 @@ import torch
 
 from .errors import MegaMoEError
 from .layout import MoEShape
-from .quant import BLOCK, FP8_DTYPE, quantize_per_block, quantize_per_token
+from .quant import BLOCK, FP8_DTYPE, MX_BLOCK, quantize_mxfp4, quantize_per_block, quantize_per_token
 
 ROUTINGS = ("random", "one_expert", "with_invalid", "imbalanced")
 
@@ -79,9 +79,11 @@ class Problem:
     x_sf: torch.Tensor  # f32 [num_tokens, hidden/128]
     topk_idx: torch.Tensor  # int64 [num_tokens, num_topk]
     topk_weights: torch.Tensor  # f32 [num_tokens, num_topk]
-    w1: torch.Tensor  # fp8 [E_local, 2*intermediate, hidden], gate rows then up rows
+    # shape.weights "fp8": e4m3 weights with f32 128x128 block scales; "fp4": MXFP4, e2m1 codes two
+    # per byte (uint8 [..., K/2]) with UE8M0 scales per 32 along K (uint8 [..., K/32])
+    w1: torch.Tensor  # [E_local, 2*intermediate, hidden], gate rows then up rows
     w1_sf: torch.Tensor  # f32 [E_local, 2*intermediate/128, hidden/128]
-    w2: torch.Tensor  # fp8 [E_local, hidden, intermediate]
+    w2: torch.Tensor  # [E_local, hidden, intermediate]
     w2_sf: torch.Tensor  # f32 [E_local, hidden/128, intermediate/128]
 
     @property
@@ -115,10 +117,16 @@ class Problem:
         _check_tensor("x_sf", self.x_sf, torch.float32, (T, H // BLOCK), dev)
         _check_tensor("topk_idx", self.topk_idx, torch.int64, (T, K), dev)
         _check_tensor("topk_weights", self.topk_weights, torch.float32, (T, K), dev)
-        _check_tensor("w1", self.w1, FP8_DTYPE, (E_local, 2 * I, H), dev)
-        _check_tensor("w1_sf", self.w1_sf, torch.float32, (E_local, 2 * I // BLOCK, H // BLOCK), dev)
-        _check_tensor("w2", self.w2, FP8_DTYPE, (E_local, H, I), dev)
-        _check_tensor("w2_sf", self.w2_sf, torch.float32, (E_local, H // BLOCK, I // BLOCK), dev)
+        if self.shape.weights == "fp4":
+            _check_tensor("w1", self.w1, torch.uint8, (E_local, 2 * I, H // 2), dev)
+            _check_tensor("w1_sf", self.w1_sf, torch.uint8, (E_local, 2 * I, H // MX_BLOCK), dev)
+            _check_tensor("w2", self.w2, torch.uint8, (E_local, H, I // 2), dev)
+            _check_tensor("w2_sf", self.w2_sf, torch.uint8, (E_local, H, I // MX_BLOCK), dev)
+        else:
+            _check_tensor("w1", self.w1, FP8_DTYPE, (E_local, 2 * I, H), dev)
+            _check_tensor("w1_sf", self.w1_sf, torch.float32, (E_local, 2 * I // BLOCK, H // BLOCK), dev)
+            _check_tensor("w2", self.w2, FP8_DTYPE, (E_local, H, I), dev)
+            _check_tensor("w2_sf", self.w2_sf, torch.float32, (E_local, H // BLOCK, I // BLOCK), dev)
         if T:
             lo, hi = int(self.topk_idx.min()), int(self.topk_idx.max())
             if lo < -1 or hi >= self.shape.num_experts:
@@ -149,7 +157,9 @@ def _check_rank_args(
 def make_expert_weights(
     shape: MoEShape, first_expert: int, num_local_experts: int, device: Device = "cpu", seed: int = 0
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP8 weights and block scales of global experts ``first_expert .. first_expert+num_local_experts-1``.
+    """Weights and scales of global experts ``first_expert .. first_expert+num_local_experts-1``
+    in ``shape.weights``' format: FP8 with 128x128 block scales, or MXFP4 quantized from the same
+    random draws.
 
     Returns ``(w1, w1_sf, w2, w2_sf)`` shaped as in :class:`Problem`.
     """
@@ -160,18 +170,26 @@ def make_expert_weights(
         )
     dev = torch.device(device)
     H, I = shape.hidden, shape.intermediate
-    w1 = torch.empty(num_local_experts, 2 * I, H, dtype=FP8_DTYPE, device=dev)
-    w1_sf = torch.empty(num_local_experts, 2 * I // BLOCK, H // BLOCK, dtype=torch.float32, device=dev)
-    w2 = torch.empty(num_local_experts, H, I, dtype=FP8_DTYPE, device=dev)
-    w2_sf = torch.empty(num_local_experts, H // BLOCK, I // BLOCK, dtype=torch.float32, device=dev)
+    if shape.weights == "fp4":
+        w1 = torch.empty(num_local_experts, 2 * I, H // 2, dtype=torch.uint8, device=dev)
+        w1_sf = torch.empty(num_local_experts, 2 * I, H // MX_BLOCK, dtype=torch.uint8, device=dev)
+        w2 = torch.empty(num_local_experts, H, I // 2, dtype=torch.uint8, device=dev)
+        w2_sf = torch.empty(num_local_experts, H, I // MX_BLOCK, dtype=torch.uint8, device=dev)
+        quantize = quantize_mxfp4
+    else:
+        w1 = torch.empty(num_local_experts, 2 * I, H, dtype=FP8_DTYPE, device=dev)
+        w1_sf = torch.empty(num_local_experts, 2 * I // BLOCK, H // BLOCK, dtype=torch.float32, device=dev)
+        w2 = torch.empty(num_local_experts, H, I, dtype=FP8_DTYPE, device=dev)
+        w2_sf = torch.empty(num_local_experts, H // BLOCK, I // BLOCK, dtype=torch.float32, device=dev)
+        quantize = quantize_per_block
     for i in range(num_local_experts):
         expert = first_expert + i
         gen = _generator(dev, seed, "w1", expert)
         w = torch.randn(2 * I, H, generator=gen, device=dev).mul_(1.0 / math.sqrt(H))
-        w1[i], w1_sf[i] = quantize_per_block(w)
+        w1[i], w1_sf[i] = quantize(w)
         gen = _generator(dev, seed, "w2", expert)
         w = torch.randn(H, I, generator=gen, device=dev).mul_(1.0 / math.sqrt(I))
-        w2[i], w2_sf[i] = quantize_per_block(w)
+        w2[i], w2_sf[i] = quantize(w)
     return w1, w1_sf, w2, w2_sf
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .errors import MegaMoEError
 from .layout import MoEShape
 from .problem import Problem
-from .quant import BLOCK, FP8_DTYPE, dequantize_per_block, dequantize_per_token, quantize_per_token
+from .quant import BLOCK, FP8_DTYPE, dequantize_mxfp4, dequantize_per_block, dequantize_per_token, quantize_per_token
 
 # Rows of one expert expanded to FP64 at once (4096 x 7168 x 8 B = 235 MB).
 ROW_CHUNK = 4096
@@ -45,6 +45,7 @@ def _problem_from_args(
     w1_sf: torch.Tensor,
     w2: torch.Tensor,
     w2_sf: torch.Tensor,
+    activation_clamp: float = 0.0,
 ) -> Problem:
     """Validate single-process arguments (all experts local) through :meth:`Problem.validate`."""
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
@@ -55,10 +56,14 @@ def _problem_from_args(
         raise MegaMoEError(f"{op}: w1 must be 3-D [num_experts, 2*intermediate, hidden], got {got}")
     num_tokens, num_topk = topk_idx.shape
     num_experts, two_i, hidden = w1.shape
+    weights = "fp4" if w1.dtype == torch.uint8 else "fp8"
+    if weights == "fp4":
+        hidden *= 2  # two e2m1 codes per byte
     if two_i % 2:
         raise MegaMoEError(f"{op}: w1 dim 1 must be 2*intermediate (even), got {two_i}")
     try:
-        shape = MoEShape(hidden=hidden, intermediate=two_i // 2, num_experts=num_experts, num_topk=num_topk)
+        shape = MoEShape(hidden=hidden, intermediate=two_i // 2, num_experts=num_experts, num_topk=num_topk,
+                         weights=weights, activation_clamp=activation_clamp)
         problem = Problem(
             shape, 0, 1, num_tokens, max(num_tokens, 1), x, x_sf, topk_idx, topk_weights, w1, w1_sf, w2, w2_sf
         )
@@ -70,7 +75,10 @@ def _problem_from_args(
 def _dequantize_expert(
     w1: torch.Tensor, w1_sf: torch.Tensor, w2: torch.Tensor, w2_sf: torch.Tensor, e: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One expert's weights dequantized in FP32 and widened (exactly) to FP64."""
+    """One expert's weights dequantized in FP32 and widened (exactly) to FP64: FP8 times its block
+    scale, or MXFP4's e2m1 times 2^s (exact)."""
+    if w1.dtype == torch.uint8:
+        return dequantize_mxfp4(w1[e], w1_sf[e]).double(), dequantize_mxfp4(w2[e], w2_sf[e]).double()
     return dequantize_per_block(w1[e], w1_sf[e]).double(), dequantize_per_block(w2[e], w2_sf[e]).double()
 
 
@@ -81,8 +89,17 @@ def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t[idx]
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, activation_clamp: float = 0.0) -> torch.Tensor:
+    """``silu(gate) * up``, after ``gate <= c`` and ``-c <= up <= c`` when a clamp ``c`` is set."""
+    if activation_clamp:
+        gate = gate.clamp(max=activation_clamp)
+        up = up.clamp(-activation_clamp, activation_clamp)
+    return F.silu(gate) * up
+
+
 def _expert_rows(
-    x: torch.Tensor, x_sf: torch.Tensor, weights: torch.Tensor, w1_64: torch.Tensor, w2_64: torch.Tensor
+    x: torch.Tensor, x_sf: torch.Tensor, weights: torch.Tensor, w1_64: torch.Tensor, w2_64: torch.Tensor,
+    activation_clamp: float = 0.0,
 ) -> torch.Tensor:
     """Rows ``x`` (fp8) through one expert, each scaled by its routing weight: bf16 ``[n, hidden]``."""
     intermediate = w2_64.shape[1]
@@ -92,7 +109,7 @@ def _expert_rows(
         x64 = dequantize_per_token(x[start:end], x_sf[start:end]).double()
         h = (x64 @ w1_64.T).float().double()
         gate, up = h[:, :intermediate], h[:, intermediate:]
-        act = (F.silu(gate) * up * weights[start:end].double().unsqueeze(1)).float()
+        act = (swiglu(gate, up, activation_clamp) * weights[start:end].double().unsqueeze(1)).float()
         act_q, act_sf = quantize_per_token(act)
         a64 = dequantize_per_token(act_q, act_sf).double()
         out[start:end] = (a64 @ w2_64.T).float().bfloat16()
@@ -131,9 +148,11 @@ def moe_reference_loop(
     w1_sf: torch.Tensor,
     w2: torch.Tensor,
     w2_sf: torch.Tensor,
+    activation_clamp: float = 0.0,
 ) -> torch.Tensor:
     """The recipe written token by token, slot by slot (all experts local; small shapes only)."""
-    p = _problem_from_args("moe_reference_loop", x, x_sf, topk_idx, topk_weights, w1, w1_sf, w2, w2_sf)
+    p = _problem_from_args("moe_reference_loop", x, x_sf, topk_idx, topk_weights, w1, w1_sf, w2, w2_sf,
+                           activation_clamp)
     intermediate = p.shape.intermediate
     y = torch.zeros(p.num_tokens, p.shape.hidden, dtype=torch.bfloat16, device=x.device)
     experts: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -151,7 +170,7 @@ def moe_reference_loop(
             w1_64, w2_64 = experts[e]
             h = (x64 @ w1_64.T).float()
             gate, up = h[:, :intermediate].double(), h[:, intermediate:].double()
-            act = (F.silu(gate) * up * w_host[t][k]).float()
+            act = (swiglu(gate, up, activation_clamp) * w_host[t][k]).float()
             act_q, act_sf = quantize_per_token(act)
             out = (dequantize_per_token(act_q, act_sf).double() @ w2_64.T).float().bfloat16()
             acc = acc + out.float()
@@ -168,9 +187,12 @@ def moe_reference(
     w1_sf: torch.Tensor,
     w2: torch.Tensor,
     w2_sf: torch.Tensor,
+    activation_clamp: float = 0.0,
 ) -> torch.Tensor:
-    """Single process, all experts local, rows grouped by expert: bf16 ``y [num_tokens, hidden]``."""
-    p = _problem_from_args("moe_reference", x, x_sf, topk_idx, topk_weights, w1, w1_sf, w2, w2_sf)
+    """Single process, all experts local, rows grouped by expert: bf16 ``y [num_tokens, hidden]``.
+    FP8 or MXFP4 weights (SPEC §2b; uint8 ``w1``/``w2`` are MXFP4), with the SwiGLU clamp if given."""
+    p = _problem_from_args("moe_reference", x, x_sf, topk_idx, topk_weights, w1, w1_sf, w2, w2_sf,
+                           activation_clamp)
     T, K, H = p.num_tokens, p.shape.num_topk, p.shape.hidden
     pairs, counts = pairs_by_expert(topk_idx, p.shape.num_experts)
     flat_weights = topk_weights.reshape(-1)
@@ -183,7 +205,8 @@ def moe_reference(
         start += n
         tokens = ids // K
         w1_64, w2_64 = _dequantize_expert(w1, w1_sf, w2, w2_sf, e)
-        slots[ids] = _expert_rows(gather_rows(x, tokens), x_sf[tokens], flat_weights[ids], w1_64, w2_64)
+        slots[ids] = _expert_rows(gather_rows(x, tokens), x_sf[tokens], flat_weights[ids], w1_64, w2_64,
+                                  activation_clamp)
     return combine_slots(slots.view(T, K, H))
 
 
@@ -284,7 +307,7 @@ def moe_reference_distributed(problem: Problem, group=None) -> torch.Tensor:
     if group is None:
         return moe_reference(
             problem.x, problem.x_sf, problem.topk_idx, problem.topk_weights,
-            problem.w1, problem.w1_sf, problem.w2, problem.w2_sf,
+            problem.w1, problem.w1_sf, problem.w2, problem.w2_sf, problem.shape.activation_clamp,
         )
     R, E_local = problem.world_size, problem.num_experts_per_rank
     T, K, H = problem.num_tokens, problem.shape.num_topk, problem.shape.hidden
@@ -316,7 +339,8 @@ def moe_reference_distributed(problem: Problem, group=None) -> torch.Tensor:
         rows = order[start : start + n]
         start += n
         w1_64, w2_64 = _dequantize_expert(problem.w1, problem.w1_sf, problem.w2, problem.w2_sf, e)
-        out[rows] = _expert_rows(gather_rows(x_q, rows), x_sf[rows], weights[rows], w1_64, w2_64)
+        out[rows] = _expert_rows(gather_rows(x_q, rows), x_sf[rows], weights[rows], w1_64, w2_64,
+                                 problem.shape.activation_clamp)
 
     # Combine: rows come back in the order this rank sent them.
     back = all_to_all_rows(out.view(torch.uint8), recv_splits, send_splits, group).view(torch.bfloat16)

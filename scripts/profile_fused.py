@@ -14,6 +14,7 @@ where the consumer warpgroups, the producer and the dispatch warps spent one cal
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -31,6 +32,9 @@ from megamoe_cli.problem import make_problem
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="deepseek-v3")
+    ap.add_argument("--weights", choices=("fp8", "fp4"), default=None,
+                    help="expert weight format (default: the preset's)")
+    ap.add_argument("--activation-clamp", type=float, default=None, help="SwiGLU clamp (default: the preset's)")
     ap.add_argument("--tokens", default="64,16384")
     ap.add_argument("--configs", default="64:4,128:3", help="block_m:num_stages[:num_sms[:cluster_m]],...")
     ap.add_argument("--iters", type=int, default=20)
@@ -67,6 +71,10 @@ def main() -> None:
     if args.profile:
         os.environ["MEGAMOE_PROFILE"] = "1"
     shape = preset(args.preset)
+    if args.weights is not None:
+        shape = dataclasses.replace(shape, weights=args.weights)
+    if args.activation_clamp is not None:
+        shape = dataclasses.replace(shape, activation_clamp=args.activation_clamp)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     group = None
@@ -103,7 +111,9 @@ def main() -> None:
         mine = idx[(idx >= rank * per_rank) & (idx < (rank + 1) * per_rank)]
         pairs = int(slowest(float(mine.numel())))  # pairs this rank computes (the busiest rank's)
         experts = int(slowest(float(torch.unique(mine).numel())))
-        weight_bytes = experts * 3 * shape.hidden * shape.intermediate
+        # FP8: a byte per weight; MXFP4: half a byte and a scale byte per 32
+        per_weight = 1.0 if shape.weights == "fp8" else 0.5 + 1 / 32
+        weight_bytes = experts * 3 * shape.hidden * shape.intermediate * per_weight
         for cfg in args.configs.split(","):
             fields = [int(v) for v in cfg.split(":")]
             config = {"block_m": fields[0], "num_stages": fields[1]}

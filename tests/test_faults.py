@@ -233,7 +233,7 @@ def test_a_plan_starts_every_launch_parameter():
     config = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL)
     scale = torch.zeros(4)
     buf = SimpleNamespace(rank=1, config=config, diag=torch.zeros(8, dtype=torch.uint8))
-    tail = launch_tail(buf, SimpleNamespace(scale=scale), SimpleNamespace(scale=scale))
+    tail = launch_tail(buf, SimpleNamespace(weight=scale, scale=scale), SimpleNamespace(weight=scale, scale=scale))
     assert list(tail) == list(TAIL_FIELDS)
     assert tail["rank"] == 1 and tail["num_max_pool_tokens"] == config.num_max_pool_tokens
     names = [f"in_{n}" for n in ("x", "x_sf", "topk_idx", "topk_weights")]

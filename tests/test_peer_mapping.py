@@ -259,7 +259,7 @@ def test_a_new_buffer_closes_the_runners_old_one_and_the_old_runner_refuses_call
     made, closed = [], []
 
     class FakeBuffer:
-        def __init__(self, group, *args, block_m):
+        def __init__(self, group, *args, block_m, **kwargs):
             self.device, self.closed = torch.device("cpu"), False
             made.append(self)
 

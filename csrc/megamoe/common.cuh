@@ -98,17 +98,45 @@ static_assert(kNumTopk <= 32, "at most 32 top-k slots");
 // usual and ignores the pushed rows).  block_m 64 without clusters only (0: never).
 constexpr uint32_t kDirectRowsPerSrc = (kBlockM == 64 && kClusterM == 1) ? kBlockM / kNumRanks : 0;
 
-// Shared-memory stage: A tile (BLOCK_M x 128 fp8), B tile (256 x 128 fp8), A scales.
+// Expert weight format (SPEC §2b): FP8 e4m3 with 128x128 FP32 block scales, or MXFP4 (e2m1
+// codes, one scale per 32 along K), streamed at half the bytes and expanded to e4m3 in shared
+// memory by the consumer warpgroup that reads them (fp4_expand).  The MXFP4 stage as
+// megamoe_cli/weight_layout.py lays it out: 256 rows x 64 bytes of codes (low nibble first),
+// then 256 rows x 4 scale indices (each 32-wide run's exponent relative to its 128x128 block's
+// FP32 scale, biased by kFp4ScaleBias).
+#ifndef MEGAMOE_WEIGHT_FP4
+#define MEGAMOE_WEIGHT_FP4 0u
+#endif
+constexpr bool kWeightFp4 = MEGAMOE_WEIGHT_FP4 != 0;
+constexpr uint32_t kFp4RowBytes = kBlockK / 2;
+constexpr uint32_t kFp4DataBytes = kBlockN * kFp4RowBytes;
+constexpr uint32_t kFp4StageBytes = kFp4DataBytes + kBlockN * (kBlockK / 32);
+constexpr uint32_t kFp4NumScales = 32;
+constexpr int32_t kFp4ScaleBias = 25;
+static_assert(!kWeightFp4 || (kBlockM == 64 && kClusterM == 1),
+              "MXFP4 weights: block_m 64 without clusters (each consumer warpgroup expands the B half it reads)");
+
+// L1 epilogue clamp of the models that clamp their SwiGLU (0: off): gate <= c, -c <= up <= c
+#ifndef MEGAMOE_ACTIVATION_CLAMP
+#define MEGAMOE_ACTIVATION_CLAMP 0.0f
+#endif
+constexpr float kActivationClamp = MEGAMOE_ACTIVATION_CLAMP;
+
+// Shared-memory stage: A tile (BLOCK_M x 128 fp8), B tile (256 x 128 fp8, or its MXFP4 stage),
+// A scales.
 constexpr uint32_t kSmemABytes = kBlockM * kBlockK;
 constexpr uint32_t kSmemBBytes = kBlockN * kBlockK;
 constexpr uint32_t kSmemSfaBytes = kBlockM * sizeof(float);
-constexpr uint32_t kStageTxBytes = kSmemABytes + kSmemBBytes + kSmemSfaBytes;
+constexpr uint32_t kStageTxBytes = kSmemABytes + (kWeightFp4 ? kFp4StageBytes : kSmemBBytes) + kSmemSfaBytes;
+// e4m3 B tiles: one per stage (TMA writes them), or for MXFP4 two the consumers expand into in turn
+constexpr uint32_t kNumBTiles = kWeightFp4 ? 2 : kNumStages;
 
 // Barrier ids (0 is __syncthreads)
 constexpr uint32_t kBarSchedule = 1;   // all threads: schedule in shared memory is ready
 constexpr uint32_t kBarDispatch = 2;   // dispatch warps
 constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
 constexpr uint32_t kBarPublish = 4;    // 4 and 5 (L1-tile parity): consumer warpgroups -> publisher warp
+constexpr uint32_t kBarExpand = 6;     // 6 and 7 (warpgroup): MXFP4 B half expanded
 
 // Profiling build counters (cycles unless said; per sampling thread, summed over CTAs)
 enum ProfileSlot : uint32_t {

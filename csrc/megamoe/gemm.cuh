@@ -2,6 +2,8 @@
 // promotion, the L1 SwiGLU/requant epilogue and the L2 combine-push epilogue.
 // Knows nothing about ranks except where the L2 epilogue pushes a finished row.
 #pragma once
+#include <type_traits>
+
 #include "dispatch.cuh"
 
 namespace megamoe {
@@ -9,10 +11,20 @@ namespace megamoe {
 // Slots of the ring through which a cluster leader forwards tiles (TileSource)
 constexpr uint32_t kTileSlots = kNumStages + 2;
 
-struct SharedStorage {
+// MXFP4 builds: each stage's weight tile as stored, and the expansion table (fp4_expand), kept
+// ahead of the stage buffers in a multiple of 1024 bytes so those stay aligned for the swizzle.
+struct Fp4Storage {
+    uint8_t b_raw[kNumStages][kFp4StageBytes];
+    uint2 fp4_table[kFp4NumScales];
+    uint8_t fp4_pad[1024 - sizeof(uint2) * kFp4NumScales];
+};
+struct NoFp4Storage {};
+static_assert(sizeof(Fp4Storage) % 1024 == 0, "the stage buffers after Fp4Storage must stay 1024-byte aligned");
+
+struct SharedStorage : std::conditional<kWeightFp4, Fp4Storage, NoFp4Storage>::type {
     // Stage buffers (each A/B tile 1024-byte aligned for the 128B swizzle)
     uint8_t a[kNumStages][kSmemABytes];
-    uint8_t b[kNumStages][kSmemBBytes];
+    uint8_t b[kNumBTiles][kSmemBBytes];
     float sfa[kNumStages][kBlockM];
     // B scales of the stage's K block: {half 0 gate, half 0 up, half 1 gate, half 1 up} for
     // L1; {half 0, -, half 1, -} for L2 (copied by the producer with the stage)
@@ -200,6 +212,15 @@ struct L2Ready {
     }
 };
 
+// The stage's MXFP4 tile as stored (a template, so FP8 builds discard it unchecked)
+template <typename Storage>
+__device__ __forceinline__ uint8_t* fp4_raw_stage(Storage& ss, uint32_t stage) {
+    if constexpr (kWeightFp4)
+        return ss.b_raw[stage];
+    else
+        return nullptr;
+}
+
 // TMA producer (one thread).  Waits until a tile's rows are in the pool, then streams A,
 // A scales and B through the stage ring; every stage carries its decoded tile (pack_tile), and a stage
 // without data ends the loop.  With clusters, a unit's CTAs each load their own A block and
@@ -313,7 +334,11 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
 #else
             const int32_t b_row = static_cast<int32_t>((b_first + kb) * kBlockN);
 #endif
-            if (!share_b) {
+            if constexpr (kWeightFp4) {
+                const uint8_t* w = reinterpret_cast<const uint8_t*>(tile.is_l2 ? p.w2 : p.w1);
+                ptx::bulk_load(fp4_raw_stage(ss, stage), w + static_cast<uint64_t>(b_first + kb) * kFp4StageBytes,
+                               kFp4StageBytes, &ss.full[stage]);
+            } else if (!share_b) {
                 // The B tensor map's box is one part (kBPartRows rows): all parts, locally
                 #pragma unroll
                 for (uint32_t r = 0; r < kClusterM; ++r)
@@ -337,6 +362,72 @@ __device__ __forceinline__ void release_stage(SharedStorage& ss, uint32_t stage)
         #pragma unroll
         for (uint32_t r = 0; r < kClusterM; ++r)
             ptx::mbar_arrive_cluster(ptx::map_shared_to_rank(&ss.empty[stage], r));
+    }
+}
+
+// MXFP4 expansion table: entry i holds the e4m3 bytes of the 8 e2m1 magnitudes times
+// 2^(i - kFp4ScaleBias), codes 0-3 in .x and 4-7 in .y, rounded to nearest even where e4m3 has
+// no exact value (subnormals, flushes to zero; see megamoe_cli/weight_layout.py).  Filled by the
+// first kFp4NumScales consumer threads before the schedule barrier, which orders it for all.
+template <typename Storage>  // a template, so FP8 builds (no Fp4Storage) discard the body unchecked
+__device__ __forceinline__ void fp4_fill_table(Storage& ss, uint32_t consumer_thread) {
+    if constexpr (kWeightFp4) {
+        if (consumer_thread < kFp4NumScales) {
+            constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+            const float scale = __int_as_float((127 + static_cast<int32_t>(consumer_thread) - kFp4ScaleBias) << 23);
+            uint32_t word[2] = {0u, 0u};
+            #pragma unroll
+            for (uint32_t c = 0; c < 8; ++c) {
+                const uint32_t byte = __nv_cvt_float_to_fp8(kE2m1[c] * scale, __NV_SATFINITE, __NV_E4M3);
+                word[c / 4] |= byte << (8 * (c % 4));
+            }
+            ss.fp4_table[consumer_thread] = make_uint2(word[0], word[1]);
+        }
+    }
+}
+
+// Eight e2m1 codes (a word, the lower K index in the low nibble) -> eight e4m3 bytes: the
+// magnitudes by byte permutes of the scale's table entry, the signs (bit 3 of each nibble)
+// moved to bit 7 of their bytes: even nibbles' signs land there after a 4-bit shift, odd ones
+// are there already, and two more permutes put them in nibble order.  (Every selector keeps bit
+// 3 of its nibbles clear: prmt would replicate a sign there instead.)
+__device__ __forceinline__ void fp4_expand_word(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
+    const uint32_t mag = w & 0x77777777u;
+    const uint32_t shifted = w << 4;
+    lo = __byte_perm(lut.x, lut.y, mag) | (__byte_perm(shifted, w, 0x5140) & 0x80808080u);
+    hi = __byte_perm(lut.x, lut.y, mag >> 16) | (__byte_perm(shifted, w, 0x7362) & 0x80808080u);
+}
+
+// Expand B half `half` (128 rows) of the stage's MXFP4 tile into the e4m3 tile `dst` in the
+// 128B-swizzled layout TMA would have written (16-byte unit u of row r at unit u ^ (r % 8)).
+// Lane l takes 32-wide run l % 4 of rows l / 4 + 8 j: a warp reads 512 contiguous bytes and its
+// stores cover every bank group evenly.  L2's K columns are permuted inside 64-column groups
+// (transform_weights_for_mega_moe): the words of run c hold channels of the group's runs
+// 2 (c / 2) and 2 (c / 2) + 1 alternately.
+template <typename Storage>
+__device__ __forceinline__ void fp4_expand(const Storage& ss, uint32_t stage, uint8_t* dst, uint32_t half, bool is_l2,
+                                           uint32_t tid) {
+    if constexpr (kWeightFp4) {
+        const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
+        const uint8_t* raw = ss.b_raw[stage];
+        #pragma unroll
+        for (uint32_t j = 0; j < 4; ++j) {
+            const uint32_t row = half * 128 + warp * 32 + j * 8 + lane / 4;
+            const uint4 w = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * kFp4RowBytes + run * 16));
+            const uint32_t indices = ptx::ld_shared_u32(raw + kFp4DataBytes + row * 4);
+            const uint32_t even_run = is_l2 ? run & 2u : run, odd_run = is_l2 ? (run & 2u) + 1 : run;
+            const uint2 lut0 = ptx::ld_shared_v2_u32(&ss.fp4_table[(indices >> (8 * even_run)) & 0xffu]);
+            const uint2 lut1 = ptx::ld_shared_v2_u32(&ss.fp4_table[(indices >> (8 * odd_run)) & 0xffu]);
+            uint32_t o[8];
+            fp4_expand_word(w.x, lut0, o[0], o[1]);
+            fp4_expand_word(w.y, lut1, o[2], o[3]);
+            fp4_expand_word(w.z, lut0, o[4], o[5]);
+            fp4_expand_word(w.w, lut1, o[6], o[7]);
+            uint8_t* dst_row = dst + row * kBlockK;
+            const uint32_t swizzle = row % 8;
+            ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, o[0], o[1], o[2], o[3]);
+            ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, o[4], o[5], o[6], o[7]);
+        }
     }
 }
 
@@ -459,7 +550,11 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
 #ifdef MEGAMOE_EXP_NO_SILU  // diagnostic: act = gate * up * weight, no exp / division (wrong results)
                     gate = gate * up * weight[r];
 #else
-                    gate = silu(gate) * up * weight[r];
+                    if constexpr (kActivationClamp > 0.0f)
+                        gate = silu(fminf(gate, kActivationClamp)) *
+                               fminf(fmaxf(up, -kActivationClamp), kActivationClamp) * weight[r];
+                    else
+                        gate = silu(gate) * up * weight[r];
 #endif
                     amax[r] = fmaxf(amax[r], fabsf(gate));
                 }
@@ -645,7 +740,8 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
         // Shuffled so ptxas sees a warp-uniform stage: the WGMMA descriptors are then built
         // in uniform registers (32 R2UR and ~50 instructions fewer per K block; notes entry 26).
-        const uint32_t stage = __shfl_sync(0xffffffffu, it, 0) % kNumStages;
+        const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
+        const uint32_t stage = it_uniform % kNumStages;
         const uint32_t phase = (it / kNumStages) & 1;
         MEGAMOE_PROF(if (prof && kb == 2) {
             const uint64_t head = clock64() - prof_c[8];
@@ -657,6 +753,21 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
             return phase;
         MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
+        // MXFP4: this warpgroup expands the B half it reads into e4m3 tile it % 2, then the
+        // barrier orders every warp's expansion (and its proxy fence) before the WGMMAs.
+        // NOTES: expanding K block it overwrites tile (it - 2) % 2 only after the barrier of it - 1,
+        // which every warp reaches after waiting for its WGMMAs of it - 2.  (Expanding K block
+        // it + 1 under the WGMMAs of it measured slower: docs/PERF_NOTES.md.)
+        const uint32_t b_tile = kWeightFp4 ? it_uniform & 1 : stage;
+        if constexpr (kWeightFp4) {
+            static_assert(Slice::kSplitColumns, "MXFP4: each warpgroup expands only the B half it reads");
+            fp4_expand(ss, stage, ss.b[b_tile], slice.half(0), tile.is_l2, tid);
+            ptx::fence_proxy_async_shared();  // the WGMMAs read the e4m3 tile through the async proxy
+            if (wg)
+                ptx::named_bar_sync(kBarExpand + 1, 128);
+            else
+                ptx::named_bar_sync(kBarExpand, 128);
+        }
         const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
         const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
         float sfb_even[Slice::kHalves], sfb_odd[Slice::kHalves];
@@ -673,7 +784,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         ptx::wgmma_fence();
         #pragma unroll
         for (uint32_t h = 0; h < Slice::kHalves; ++h) {
-            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[b_tile] + slice.half(h) * 128 * kBlockK);
             #pragma unroll
             for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
                 ptx::wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc + 64 * h), desc_a + 2 * k,
@@ -692,7 +803,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
 #endif
         #pragma unroll
         for (uint32_t h = 0; h < Slice::kHalves; ++h) {
-            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[stage] + slice.half(h) * 128 * kBlockK);
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[b_tile] + slice.half(h) * 128 * kBlockK);
             #pragma unroll
             for (uint32_t i = 0; i < 64; ++i)
                 ptx::warpgroup_fence_operand(part[i]);

@@ -223,6 +223,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         }
     } else {
         ptx::setmaxnreg_inc<kConsumerRegisters>();
+        fp4_fill_table(ss, threadIdx.x - 128);
         ptx::named_bar_sync(kBarSchedule, kNumThreads);
         // Shuffled so the compiler knows the warpgroup index is warp-uniform.  (The WGMMA
         // descriptors still move through R2UR: see docs/PERF_NOTES.md entries 14 and 24.)

@@ -73,6 +73,23 @@ __device__ __forceinline__ uint4 ld_shared_v4_u32(const uint4* ptr) {
     return v;
 }
 
+__device__ __forceinline__ uint32_t ld_shared_u32(const void* ptr) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(ptr)) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint2 ld_shared_v2_u32(const void* ptr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(smem_addr(ptr)) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_shared_v4_u32(void* ptr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(ptr)), "r"(a), "r"(b), "r"(c), "r"(d)
+                 : "memory");
+}
+
 // Small asynchronous global -> shared copies (4, 8 or 16 bytes, naturally aligned) whose
 // completion an mbarrier tracks: the arrive raises the barrier's pending count until every
 // earlier cp.async of this thread has landed.
@@ -103,6 +120,15 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const void* tmap, ui
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
             smem_addr(smem_dst)),
         "l"(reinterpret_cast<uint64_t>(tmap)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+        : "memory");
+}
+// A contiguous global -> shared copy by the bulk copy engine (size and both addresses multiples
+// of 16 bytes), completing on an mbarrier that expects its bytes
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_addr(smem_dst)),
+        "l"(reinterpret_cast<uint64_t>(gmem_src)), "r"(bytes), "r"(smem_addr(bar))
         : "memory");
 }
 __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {

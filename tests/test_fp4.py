@@ -1,0 +1,258 @@
+"""MXFP4 expert weights (SPEC §2b) on the CPU: quantization, the kernel's weight layout and its
+on-chip expansion to e4m3, emulated bit for bit from the constants in csrc/megamoe/gemm.cuh, the
+SwiGLU clamp in the reference, and the errors bad weights get before any launch."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from megamoe_cli import weight_layout as wl
+from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.fused import transform_weights_for_mega_moe
+from megamoe_cli.kernel_source import FP4_STAGE_BYTES, Variant, csrc_dir
+from megamoe_cli.layout import PRESETS, MoEShape
+from megamoe_cli.problem import make_problem
+from megamoe_cli.quant import (
+    E2M1_VALUES,
+    check_mxfp4,
+    dequantize_mxfp4,
+    e2m1_codes,
+    e2m1_values,
+    mxfp4_from_fp8,
+    quantize_mxfp4,
+    quantize_per_block,
+)
+from megamoe_cli.reference import moe_reference, moe_reference_distributed, moe_reference_loop
+
+GEMM = (csrc_dir() / "megamoe" / "gemm.cuh").read_text()
+SMALL_FP4 = MoEShape(hidden=512, intermediate=256, num_experts=8, num_topk=2, weights="fp4")
+
+
+# --- quantization -----------------------------------------------------------------------------
+
+def test_e2m1_rounds_to_nearest_even():
+    grid = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    v = torch.cat([torch.linspace(-6, 6, 4801), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, -0.25])])
+    got = e2m1_values(e2m1_codes(v))
+    nearest = grid[(v.unsqueeze(1) - grid).abs().argmin(1)]
+    dist_got, dist_best = (got - v).abs(), (nearest - v).abs()
+    assert torch.equal(dist_got, dist_best), "not the nearest e2m1 value"
+    ties = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0, -5.0: -4.0}
+    for x, want in ties.items():  # ties go to the even mantissa
+        assert float(e2m1_values(e2m1_codes(torch.tensor([x])))[0]) == want
+
+
+def test_quantize_picks_the_power_of_two_that_fits_each_run():
+    torch.manual_seed(0)
+    w = torch.randn(3, 64, 256) * torch.logspace(-3, 3, 256)  # runs of very different magnitudes
+    packed, scales = quantize_mxfp4(w)
+    assert packed.dtype == scales.dtype == torch.uint8
+    assert packed.shape == (3, 64, 128) and scales.shape == (3, 64, 8)
+    amax = w.reshape(3, 64, 8, 32).abs().amax(-1)
+    s = scales.to(torch.int32) - 127
+    assert (amax <= 6 * torch.exp2(s.double())).all(), "a run's amax does not fit e2m1 at its scale"
+    assert (amax > 3 * torch.exp2(s.double())).all(), "a smaller power of two would have held the run"
+    deq = dequantize_mxfp4(packed, scales)
+    rel = (deq - w).norm() / w.norm()
+    assert 0.05 < rel < 0.2, rel  # e2m1's 1-bit mantissa, not a broken scale
+    again_p, again_s = quantize_mxfp4(deq)
+    assert torch.equal(dequantize_mxfp4(again_p, again_s), deq), "dequantized weights do not re-quantize exactly"
+
+
+def test_all_zero_runs_and_fp8_input():
+    packed, scales = quantize_mxfp4(torch.zeros(2, 32))
+    assert not packed.any() and dequantize_mxfp4(packed, scales).abs().max() == 0
+    q, sf = quantize_per_block(torch.randn(2, 128, 256))
+    p, s = mxfp4_from_fp8(q, sf)
+    assert p.shape == (2, 128, 128) and s.shape == (2, 128, 8)
+
+
+def test_bad_mxfp4_inputs_are_one_clear_error():
+    p, s = quantize_mxfp4(torch.randn(4, 64))
+    with pytest.raises(MegaMoEError, match="scales must be \\(4, 2\\)"):
+        check_mxfp4("op", p, s[:, :1])
+    with pytest.raises(MegaMoEError, match="NaN code 255"):
+        check_mxfp4("op", p, torch.full_like(s, 255))
+    with pytest.raises(MegaMoEError, match="must be torch.uint8, got torch.float32"):
+        check_mxfp4("op", p, s.float())
+    with pytest.raises(MegaMoEError, match="multiple of 32"):
+        quantize_mxfp4(torch.randn(4, 48))
+
+
+# --- the kernel's expansion, emulated -----------------------------------------------------------
+
+def byte_perm(x: int, y: int, s: int) -> int:
+    """PTX prmt (what __byte_perm compiles to): result byte n is byte (s >> 4n) & 7 of the 8 bytes
+    {y:x}, or, where bit 3 of that selector nibble is set, that byte's sign bit replicated over all
+    8 bits (the strict reading: the kernel keeps every selector's bit 3 clear, so either holds)."""
+    src = (y << 32) | x
+    out = 0
+    for n in range(4):
+        sel = (s >> (4 * n)) & 0xF
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * n)
+    return out
+
+
+def kernel_expand_word():
+    """fp4_expand_word as gemm.cuh writes it: its masks and selectors are read from the source,
+    so this emulation follows the kernel (a changed constant changes both)."""
+    body = GEMM[GEMM.index("void fp4_expand_word"):]
+    body = body[: body.index("\n}\n")]
+    mask = int(re.search(r"mag = w & (0x[0-9a-fA-F]+)u", body).group(1), 16)
+    shift = int(re.search(r"shifted = w << (\d+)", body).group(1))
+    sel_lo, sel_hi = (int(x, 16) for x in re.findall(r"__byte_perm\(shifted, w, (0x[0-9a-fA-F]+)\)", body))
+    sign = int(re.search(r"\) & (0x[0-9a-fA-F]+)u\)", body).group(1), 16)
+    hi_shift = int(re.search(r"mag >> (\d+)\)", body).group(1))
+
+    def expand(w: int, lut: tuple) -> tuple:
+        mag = w & mask
+        shifted = (w << shift) & 0xFFFFFFFF
+        lo = byte_perm(lut[0], lut[1], mag & 0xFFFF) | (byte_perm(shifted, w, sel_lo) & sign)
+        hi = byte_perm(lut[0], lut[1], (mag >> hi_shift) & 0xFFFF) | (byte_perm(shifted, w, sel_hi) & sign)
+        return lo, hi
+
+    return expand
+
+
+def table_entry(index: int) -> tuple:
+    """fp4_fill_table's entry: e4m3 bytes of the 8 magnitudes times 2^(index - bias), RNE."""
+    scale = 2.0 ** (index - wl.FP4_SCALE_BIAS)
+    b = torch.tensor([v * scale for v in E2M1_VALUES]).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    return sum(x << (8 * i) for i, x in enumerate(b[:4])), sum(x << (8 * i) for i, x in enumerate(b[4:]))
+
+
+def test_bias_and_table_size_match_the_kernel():
+    common = (csrc_dir() / "megamoe" / "common.cuh").read_text()
+    assert int(re.search(r"kFp4ScaleBias = (\d+);", common).group(1)) == wl.FP4_SCALE_BIAS
+    assert int(re.search(r"kFp4NumScales = (\d+);", common).group(1)) == wl.FP4_NUM_SCALES
+    assert f"{wl.FP4_SCALE_BIAS} + {wl.FP4_MAX_REL_EXP} + 1" and wl.FP4_SCALE_BIAS + wl.FP4_MAX_REL_EXP + 1 == wl.FP4_NUM_SCALES
+    assert FP4_STAGE_BYTES == 256 * (64 + 4)
+
+
+def test_expand_word_gives_every_code_its_signed_value():
+    expand = kernel_expand_word()
+    for index in (0, 10, 17, 20, wl.FP4_SCALE_BIAS, 31):
+        lut = table_entry(index)
+        want_mag = [(lut[k // 4] >> (8 * (k % 4))) & 0xFF for k in range(8)]
+        gen = torch.Generator().manual_seed(index)
+        words = [list(range(8)), [8 + k for k in range(8)]] + torch.randint(0, 16, (300, 8), generator=gen).tolist()
+        for codes in words:
+            w = sum(c << (4 * k) for k, c in enumerate(codes))
+            lo, hi = expand(w, lut)
+            got = [(lo >> (8 * k)) & 0xFF for k in range(4)] + [(hi >> (8 * k)) & 0xFF for k in range(4)]
+            want = [want_mag[c & 7] | (0x80 if c & 8 else 0) for c in codes]
+            assert got == want, (index, codes)
+
+
+def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
+    """One MXFP4 stage -> the 256 x 128 e4m3 values (as floats) the kernel expands it to, in
+    logical (unswizzled) order, before the block scale."""
+    expand = kernel_expand_word()
+    tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
+    # the run whose scale index a word takes, as fp4_expand picks it (L2: permuted K columns)
+    assert "even_run = is_l2 ? run & 2u : run, odd_run = is_l2 ? (run & 2u) + 1 : run;" in GEMM
+    data = stage[: 256 * 64].view(256, 64)
+    idx = stage[256 * 64 :].view(256, 4)
+    out = torch.empty(256, 128, dtype=torch.uint8)
+    for row in range(256):
+        words = data[row].view(torch.int32).tolist()
+        for run in range(4):
+            even = (run & 2) if is_l2 else run
+            odd = (run & 2) + 1 if is_l2 else run
+            for i in range(4):
+                lut = tables[int(idx[row, even if i % 2 == 0 else odd])]
+                lo, hi = expand(words[4 * run + i] & 0xFFFFFFFF, lut)
+                col = 32 * run + 8 * i
+                out[row, col : col + 8] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)] +
+                                                       [(hi >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
+    return out.view(torch.float8_e4m3fn).float()
+
+
+@pytest.mark.parametrize("layer", ["l1", "l2"])
+def test_expanded_stages_equal_the_dequantized_weights(layer):
+    """Every value the kernel would feed the tensor cores, times its block's FP32 scale, equals
+    the exact dequantized weight where its run lies at most 8 binades below the block's largest,
+    and lies within 2^-10 of the block's scale (half an e4m3 subnormal step) further below."""
+    torch.manual_seed(1)
+    e, n, k = 1, 256, 256
+    w = torch.randn(e, n, k) * torch.exp2(12 - torch.randint(0, 22, (e, n, k // 32)).float()).repeat_interleave(32, dim=2)
+    packed, scales = quantize_mxfp4(w)
+    stages, block_sf = wl.fp4_layer(packed, scales, layer)
+    block_exp = wl.fp4_block_exponents(scales)
+    assert torch.equal(block_sf, torch.exp2(block_exp.float()))
+    # per-element exact value, block exponent and relative run exponent, moved as the layout moves them
+    b_elem = block_exp.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+    rel_elem = (scales.to(torch.int32) - 127).repeat_interleave(32, dim=2) - b_elem
+    if layer == "l1":
+        perm = wl.permute_l1_rows
+    else:
+        def perm(t):
+            return wl.permute_l2_columns(wl.permute_l2_rows(t))
+    order = perm(torch.arange(e * n * k, dtype=torch.int64).view(e, n, k)).reshape(-1)
+    want = dequantize_mxfp4(packed, scales).reshape(-1)[order].view(n, k)
+    b_perm = b_elem.reshape(-1)[order].view(n, k)
+    rel_perm = rel_elem.reshape(-1)[order].view(n, k)
+    assert (rel_perm <= wl.FP4_MAX_REL_EXP).all() and (rel_perm < -12).any() and (rel_perm >= -8).float().mean() > 0.3
+    for kb in range(k // 128):
+        cols = slice(128 * kb, 128 * kb + 128)
+        got = emulate_stage(stages[0, 0, kb], layer == "l2") * torch.exp2(b_perm[:, cols].float())
+        exact = rel_perm[:, cols] >= -8
+        assert torch.equal(got[exact], want[:, cols][exact]), "an exactly representable weight changed"
+        bound = torch.exp2(b_perm[:, cols].float() - 10)
+        assert ((got - want[:, cols]).abs() <= bound).all(), "a value below e4m3's normal range moved too far"
+
+
+def test_transform_checks_formats_before_any_launch():
+    p = make_problem(SMALL_FP4, 0, 1, 4, 4)
+    l1, l2 = transform_weights_for_mega_moe((p.w1, p.w1_sf), (p.w2, p.w2_sf))
+    assert l1.weights == l2.weights == "fp4"
+    assert l1.weight.shape == (8, 256 * 2 // 256, 512 // 128, FP4_STAGE_BYTES)
+    assert l1.scale.shape == (8, 2 * 256 // 128, 512 // 128, 2) and l2.scale.shape == (8, 512 // 128, 256 // 128)
+    fp8 = make_problem(MoEShape(512, 256, 8, 2), 0, 1, 4, 4)
+    with pytest.raises(MegaMoEError, match="one weight format, got l1 fp4 .* and l2 fp8"):
+        transform_weights_for_mega_moe((p.w1, p.w1_sf), (fp8.w2, fp8.w2_sf))
+    with pytest.raises(MegaMoEError, match="NaN code"):
+        transform_weights_for_mega_moe((p.w1, torch.full_like(p.w1_sf, 255)), (p.w2, p.w2_sf))
+    with pytest.raises(MegaMoEError, match="l2: MXFP4 scales must be"):
+        transform_weights_for_mega_moe((p.w1, p.w1_sf), (p.w2, p.w2_sf[..., :2]))
+    with pytest.raises(MegaMoEError, match="w2 must be MXFP4"):
+        transform_weights_for_mega_moe((p.w1, p.w1_sf), (p.w2[:, :256], p.w2_sf[:, :256]))
+
+
+# --- reference and variants ---------------------------------------------------------------------
+
+def test_reference_dequantizes_mxfp4_exactly_and_clamps():
+    p = make_problem(SMALL_FP4, 0, 1, 12, 12, seed=3)
+    y = moe_reference(p.x, p.x_sf, p.topk_idx, p.topk_weights, p.w1, p.w1_sf, p.w2, p.w2_sf)
+    assert torch.equal(y, moe_reference_loop(p.x, p.x_sf, p.topk_idx, p.topk_weights, p.w1, p.w1_sf, p.w2, p.w2_sf))
+    # the same layer with the weights as FP32 tensors through the FP8 reference's math
+    w1 = dequantize_mxfp4(p.w1, p.w1_sf).double()
+    h = (p.x.float() * p.x_sf.repeat_interleave(128, 1)).double() @ w1[0].T
+    assert torch.isfinite(h).all()
+    clamped = moe_reference(p.x, p.x_sf, p.topk_idx, p.topk_weights, p.w1, p.w1_sf, p.w2, p.w2_sf,
+                            activation_clamp=0.05)
+    assert not torch.equal(clamped, y), "a clamp of 0.05 did not bite"
+    wide = moe_reference(p.x, p.x_sf, p.topk_idx, p.topk_weights, p.w1, p.w1_sf, p.w2, p.w2_sf,
+                         activation_clamp=1e6)
+    assert torch.equal(wide, y), "a clamp nothing reaches changed the result"
+    shape = MoEShape(512, 256, 8, 2, weights="fp4", activation_clamp=0.05)
+    pc = make_problem(shape, 0, 1, 12, 12, seed=3)
+    assert torch.equal(moe_reference_distributed(pc), clamped)
+
+
+def test_presets_and_variant_names():
+    pro, flash = PRESETS["deepseek-v4-pro"], PRESETS["deepseek-v4-flash"]
+    assert (pro.weights, pro.activation_clamp) == ("fp4", 10.0) and (flash.hidden, flash.num_experts) == (4096, 256)
+    assert "_wfp4_clamp10_" in Variant(pro, 2, 128, 64, 4).name
+    assert "_w" not in Variant(PRESETS["deepseek-v3"], 2, 128, 64, 4).name  # FP8 names (and caches) unchanged
+    with pytest.raises(MegaMoEError, match="MXFP4 weights run with"):
+        Variant(pro, 2, 128, 128, 4).validate()
+    with pytest.raises(MegaMoEError, match="activation_clamp must be"):
+        MoEShape(512, 256, 8, 2, activation_clamp=-1.0)
+    assert math.isclose(MoEShape(512, 256, 8, 2, activation_clamp=3).activation_clamp, 3.0)
+
