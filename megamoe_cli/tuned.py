@@ -61,11 +61,14 @@ class TunedKey:
     num_topk: int
     dtype: str
     token_bucket: int
+    # The expert weights' format: another kernel, so another winner (FP8 keys read as before)
+    weights: str = "fp8"
 
     def __str__(self) -> str:
+        fmt = "" if self.weights == "fp8" else f"/w{self.weights}"
         return (
             f"{self.gpu}/ws{self.world_size}/h{self.hidden}/i{self.intermediate}/"
-            f"e{self.num_experts}/k{self.num_topk}/{self.dtype}/t{self.token_bucket}"
+            f"e{self.num_experts}/k{self.num_topk}/{self.dtype}{fmt}/t{self.token_bucket}"
         )
 
 
@@ -86,6 +89,7 @@ def make_key(
         num_topk=shape.num_topk,
         dtype=dtype,
         token_bucket=token_bucket(num_tokens_per_rank),
+        weights=shape.weights,
     )
 
 

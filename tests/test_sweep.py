@@ -232,3 +232,35 @@ def test_unknown_backend_lists_valid_names():
         get_backend("cutlass")
     for name in BACKENDS:
         assert name in str(info.value)
+
+
+def test_weight_formats_side_by_side_and_the_v4_presets():
+    text = """
+name: formats
+shape: {preset: deepseek-v3}
+weights: [fp8, fp4]
+num_tokens: [1, 128]
+backends: [fused]
+"""
+    points = load_sweep_text(text).points
+    assert [(p.weights, p.num_tokens) for p in points] == [("fp8", 1), ("fp8", 128), ("fp4", 1), ("fp4", 128)]
+    assert points[0].preset == "deepseek-v3" and points[2].preset is None  # an FP4 deepseek-v3 is no preset
+    assert points[2].shape.weights == "fp4" and "weights=fp4" in points[2].describe()
+    assert Point.from_dict(points[2].to_dict()) == points[2]
+    pro = sweep_from_flags(num_tokens=[8], backends=["fused"], preset="deepseek-v4-pro").points[0]
+    assert (pro.weights, pro.activation_clamp, pro.preset) == ("fp4", 10.0, "deepseek-v4-pro")
+    fp8_pro = sweep_from_flags(num_tokens=[8], backends=["fused"], preset="deepseek-v4-pro", weights=["fp8"],
+                               activation_clamp=0).points[0]
+    assert (fp8_pro.weights, fp8_pro.activation_clamp, fp8_pro.preset) == ("fp8", 0.0, None)
+    old = {k: v for k, v in points[0].to_dict().items() if k not in ("weights", "activation_clamp")}
+    assert Point.from_dict(old).weights == "fp8"  # rows written before the format existed
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("shape: {preset: small, weights: fp6}", "shape.weights: expected one of fp8, fp4, got 'fp6'"),
+    ("shape: {preset: small, activation_clamp: -1}", "shape.activation_clamp: expected a SwiGLU clamp"),
+    ("shape: {preset: small}\nweights: [fp4, fp4]", "weights: 'fp4' is listed twice"),
+])
+def test_bad_weight_keys_name_the_line(entry, message):
+    with pytest.raises(MegaMoEError, match=message):
+        load_sweep_text(f"name: x\n{entry}\nnum_tokens: 1\nbackends: fused\n")

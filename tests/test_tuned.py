@@ -224,3 +224,17 @@ def test_non_utf8_store_is_named(store):
     store.write_bytes(b'{"version": 1, "entries": {"\xff": {}}}')
     with pytest.raises(MegaMoEError, match=r"not UTF-8 text \(byte 28\)"):
         tuned.load()
+
+
+def test_fp4_weights_have_their_own_key_and_fp8_keys_are_unchanged():
+    import dataclasses
+
+    from megamoe_cli.layout import PRESETS
+    from megamoe_cli.tuned import TunedKey, make_key
+
+    fp8 = make_key("H200", 2, PRESETS["deepseek-v3"], 128)
+    fp4 = make_key("H200", 2, dataclasses.replace(PRESETS["deepseek-v3"], weights="fp4"), 128)
+    assert str(fp8) == "H200/ws2/h7168/i2048/e256/k8/fp8_e4m3/t128" and str(fp4) != str(fp8)
+    assert "/wfp4/" in str(fp4)
+    old_entry_key = {k: v for k, v in dataclasses.asdict(fp8).items() if k != "weights"}
+    assert str(TunedKey(**old_entry_key)) == str(fp8)  # entries written before the format existed

@@ -20,6 +20,7 @@ backend, block_m, so every backend's run of one problem sits next to the others.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -30,9 +31,11 @@ import yaml
 
 from ..backends import BACKENDS
 from ..errors import MegaMoEError
-from ..layout import PRESETS, BufferConfig, MoEShape
+from ..layout import PRESETS, WEIGHT_FORMATS, BufferConfig, MoEShape
 
 SHAPE_KEYS = ("hidden", "intermediate", "num_experts", "num_topk")
+# The expert weights' format and the SwiGLU clamp: a preset's own unless the shape entry says
+WEIGHT_KEYS = ("weights", "activation_clamp")
 
 DEFAULTS: Dict[str, Any] = {
     "description": "",
@@ -54,6 +57,7 @@ SWEEP_KEYS = (
     "num_tokens",
     "num_topk",
     "num_experts",
+    "weights",
     "block_m",
     "backends",
     "routing",
@@ -66,7 +70,7 @@ SWEEP_KEYS = (
     "flush_l2",
     "timeout_s",
 )
-SHAPE_ENTRY_KEYS = ("preset",) + SHAPE_KEYS
+SHAPE_ENTRY_KEYS = ("preset",) + SHAPE_KEYS + WEIGHT_KEYS
 
 # Backends that take a kernel config (block_m); the others ignore it.
 CONFIGURABLE_BACKENDS = ("fused", "fused-graph")
@@ -96,10 +100,13 @@ class Point:
     check: bool = DEFAULTS["check"]
     flush_l2: bool = DEFAULTS["flush_l2"]
     timeout_s: float = DEFAULTS["timeout_s"]
+    weights: str = "fp8"
+    activation_clamp: float = 0.0
 
     @property
     def shape(self) -> MoEShape:
-        return MoEShape(self.hidden, self.intermediate, self.num_experts, self.num_topk)
+        return MoEShape(self.hidden, self.intermediate, self.num_experts, self.num_topk, self.weights,
+                        self.activation_clamp)
 
     @property
     def config(self) -> Dict[str, Any]:
@@ -120,6 +127,10 @@ class Point:
         shape = self.preset or f"{self.hidden}/{self.intermediate}/{self.num_experts}/top-{self.num_topk}"
         tokens = self.num_tokens if isinstance(self.num_tokens, int) else list(self.num_tokens)
         text = f"{self.backend} {shape} num_tokens={tokens}"
+        if self.weights != "fp8" and not self.preset:
+            text += f" weights={self.weights}"
+        if self.activation_clamp and not self.preset:
+            text += f" clamp={self.activation_clamp:g}"
         if self.block_m is not None:
             text += f" block_m={self.block_m}"
         return text
@@ -257,6 +268,16 @@ class _Checker:
             raise self.fail(path, f"expected a positive number of seconds, got {_kind(value)}")
         return float(value)
 
+    def choice(self, value: Any, path: Tuple, allowed: Sequence[str]) -> str:
+        if not isinstance(value, str) or value not in allowed:
+            raise self.fail(path, f"expected one of {', '.join(allowed)}, got {value!r}")
+        return value
+
+    def clamp(self, value: Any, path: Tuple) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise self.fail(path, f"expected a SwiGLU clamp: a finite number >= 0 (0: none), got {_kind(value)}")
+        return float(value)
+
     def string(self, value: Any, path: Tuple) -> str:
         if not isinstance(value, str) or not value.strip():
             raise self.fail(path, f"expected a non-empty string, got {_kind(value)}")
@@ -311,6 +332,10 @@ def _shape_entry(check: _Checker, value: Any, path: Tuple) -> Tuple[Optional[str
     for key in SHAPE_KEYS:
         if key in entry:
             base[key] = check.integer(entry[key], path + (key,), 1)
+    if "weights" in entry:
+        base["weights"] = check.choice(entry["weights"], path + ("weights",), WEIGHT_FORMATS)
+    if "activation_clamp" in entry:
+        base["activation_clamp"] = check.clamp(entry["activation_clamp"], path + ("activation_clamp",))
     missing = [key for key in SHAPE_KEYS if key not in base]
     if missing:
         raise check.fail(
@@ -371,6 +396,12 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
     _no_duplicates(check, [t if isinstance(t, int) else list(t) for t in tokens], ("num_tokens",))
 
     topk_override = check.int_list(doc["num_topk"], ("num_topk",), 1) if "num_topk" in doc else None
+    weights_override = None
+    if "weights" in doc:  # every shape in each of these formats (FP8 and FP4 side by side)
+        raw = check.listing(doc["weights"], ("weights",), f"weight formats ({', '.join(WEIGHT_FORMATS)})")
+        at = (lambda i: ("weights", i)) if isinstance(doc["weights"], list) else (lambda i: ("weights",))
+        weights_override = [check.choice(w, at(i), WEIGHT_FORMATS) for i, w in enumerate(raw)]
+        _no_duplicates(check, weights_override, ("weights",))
     experts_override = (
         check.int_list(doc["num_experts"], ("num_experts",), 1) if "num_experts" in doc else None
     )
@@ -431,39 +462,44 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
     points: List[Point] = []
     for shape_index, (preset_name, shape) in enumerate(shapes):
         shape_path = ("shape",) if "shape" in doc else ("shapes", shape_index)
-        for num_experts in experts_override or [shape.num_experts]:
-            for num_topk in topk_override or [shape.num_topk]:
-                try:
-                    variant = MoEShape(shape.hidden, shape.intermediate, num_experts, num_topk)
-                except MegaMoEError as exc:
-                    key = "num_topk" if topk_override else "num_experts"
-                    raise check.fail((key,), f"with {check.dotted(shape_path)}: {exc}") from None
-                variant_preset = preset_name if variant == shape else None
-                for num_tokens in tokens:
-                    for backend in backends:
-                        for block_m in block_ms if backend in CONFIGURABLE_BACKENDS else [None]:
-                            points.append(
-                                Point(
-                                    sweep=name,
-                                    hidden=variant.hidden,
-                                    intermediate=variant.intermediate,
-                                    num_experts=variant.num_experts,
-                                    num_topk=variant.num_topk,
-                                    num_tokens=num_tokens,
-                                    num_max_tokens_per_rank=num_max or max(_max_tokens(num_tokens), 1),
-                                    backend=backend,
-                                    block_m=block_m,
-                                    preset=variant_preset,
-                                    routing=routing,
-                                    warmup=warmup,
-                                    iters=iters,
-                                    calls_per_sample=calls_per_sample,
-                                    seed=seed,
-                                    check=do_check,
-                                    flush_l2=flush_l2,
-                                    timeout_s=timeout_s,
-                                )
+        for num_experts, num_topk, weights in itertools.product(
+            experts_override or [shape.num_experts], topk_override or [shape.num_topk],
+            weights_override or [shape.weights],
+        ):
+            try:
+                variant = MoEShape(shape.hidden, shape.intermediate, num_experts, num_topk, weights,
+                                   shape.activation_clamp)
+            except MegaMoEError as exc:
+                key = "num_topk" if topk_override else "num_experts"
+                raise check.fail((key,), f"with {check.dotted(shape_path)}: {exc}") from None
+            variant_preset = preset_name if variant == shape else None
+            for num_tokens in tokens:
+                for backend in backends:
+                    for block_m in block_ms if backend in CONFIGURABLE_BACKENDS else [None]:
+                        points.append(
+                            Point(
+                                sweep=name,
+                                hidden=variant.hidden,
+                                intermediate=variant.intermediate,
+                                num_experts=variant.num_experts,
+                                num_topk=variant.num_topk,
+                                num_tokens=num_tokens,
+                                num_max_tokens_per_rank=num_max or max(_max_tokens(num_tokens), 1),
+                                backend=backend,
+                                block_m=block_m,
+                                preset=variant_preset,
+                                routing=routing,
+                                warmup=warmup,
+                                iters=iters,
+                                calls_per_sample=calls_per_sample,
+                                seed=seed,
+                                check=do_check,
+                                flush_l2=flush_l2,
+                                timeout_s=timeout_s,
+                                weights=variant.weights,
+                                activation_clamp=variant.activation_clamp,
                             )
+                        )
     return Sweep(name=name, description=description, source=source, points=points)
 
 
@@ -508,6 +544,8 @@ def sweep_from_flags(
     check: Optional[bool] = None,
     flush_l2: Optional[bool] = None,
     timeout_s: Optional[float] = None,
+    weights: Optional[Sequence[str]] = None,
+    activation_clamp: Optional[float] = None,
     name: str = "cli",
 ) -> Sweep:
     """Build a sweep from command-line values through the same validator as files.
@@ -517,7 +555,10 @@ def sweep_from_flags(
     ``num_topk`` given as lists sweep over them.  ``None`` means "the default".
     """
     shape: Dict[str, Any] = {"preset": preset or "deepseek-v3"}
-    shape.update({k: v for k, v in (("hidden", hidden), ("intermediate", intermediate)) if v is not None})
+    shape.update({k: v for k, v in (("hidden", hidden), ("intermediate", intermediate),
+                                    ("activation_clamp", activation_clamp)) if v is not None})
+    if weights is not None and len(weights) == 1:
+        shape["weights"] = weights[0]
     for key, value in (("num_experts", num_experts), ("num_topk", num_topk)):
         if value is not None and (isinstance(value, int) or len(value) == 1):
             shape[key] = value if isinstance(value, int) else value[0]
@@ -531,6 +572,7 @@ def sweep_from_flags(
         if value is not None and not isinstance(value, int) and len(value) > 1:
             doc[key] = list(value)
     optional = {
+        "weights": list(weights) if weights is not None and len(weights) > 1 else None,
         "block_m": list(block_m) if block_m else None,
         "routing": routing,
         "num_max_tokens_per_rank": num_max_tokens_per_rank,
