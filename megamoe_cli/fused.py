@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -252,6 +253,9 @@ class SymmBuffer:
         self.topk_idx = self.view("topk_idx")
         self.topk_weights = self.view("topk_weights")
         self.inputs = (self.x, self.x_sf, self.topk_idx, self.topk_weights)  # in _INPUTS order
+        # Fixed for the buffer's life; every eager call given inputs compares against them.
+        self.input_ptrs = tuple(v.data_ptr() for v in self.inputs)
+        self.span = (self.buffer.data_ptr(), self.buffer.data_ptr() + self.nbytes)
 
     def close(self) -> None:
         """Unmap the peers' buffers (collective: every rank of the group calls it).
@@ -519,6 +523,10 @@ def get_kernel(variant: Variant, device: torch.device) -> _Kernel:
 
 
 def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> None:
+    # Every eager call checks five tensors: one expression accepts a right one, the rest names what is wrong.
+    if isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape and t.device == device \
+            and t.is_contiguous():
+        return
     if not isinstance(t, torch.Tensor):
         raise MegaMoEError(f"mega_moe: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -630,14 +638,37 @@ class _LaunchPlan:
         self.y_offset = y_offset
         self.num_tokens_offset = num_tokens_offset
         self.inputs_offset = inputs_offset
+        self._weights: Tuple[Callable[[], object], ...] = ()
+        self._weight_ptrs: Tuple[int, ...] = ()
+
+    def bind(self, l1: "ExpertWeights", l2: "ExpertWeights") -> None:
+        """Remember the weights this plan's tensor maps point at: weakly, so a plan cached on the
+        buffer never keeps a dropped weight set (tens of GB) alive."""
+        self._weights = (weakref.ref(l1), weakref.ref(l2))
+        self._weight_ptrs = _weight_ptrs(l1, l2)
+
+    def serves(self, l1: "ExpertWeights", l2: "ExpertWeights") -> bool:
+        """Whether these are the weights it was built for: the same live objects (an id can be reused
+        once an object is gone; a dead reference then says no) at the same addresses."""
+        return (len(self._weights) == 2 and self._weights[0]() is l1 and self._weights[1]() is l2
+                and _weight_ptrs(l1, l2) == self._weight_ptrs)
 
     def launch(self, y: torch.Tensor, num_tokens: int, stream: int, inputs: Tuple[int, int, int, int] = _NO_INPUTS) -> None:
         """``inputs``: addresses of x, x_sf, topk_idx, topk_weights for the kernel to copy into the
         buffer, or zeros when they are already there."""
-        struct.pack_into("<Q", self.prepared.params, self.y_offset, y.data_ptr())
-        struct.pack_into("<Q", self.prepared.params, self.num_tokens_offset, num_tokens)
-        struct.pack_into("<4Q", self.prepared.params, self.inputs_offset, *inputs)
+        params = self.prepared.params
+        _PACK_U64(params, self.y_offset, y.data_ptr())
+        _PACK_U64(params, self.num_tokens_offset, num_tokens)
+        _PACK_4U64(params, self.inputs_offset, *inputs)
         self.prepared.launch(stream)
+
+
+_PACK_U64 = struct.Struct("<Q").pack_into
+_PACK_4U64 = struct.Struct("<4Q").pack_into
+
+
+def _weight_ptrs(l1: "ExpertWeights", l2: "ExpertWeights") -> Tuple[int, int, int, int]:
+    return l1.weight.data_ptr(), l1.scale.data_ptr(), l2.weight.data_ptr(), l2.scale.data_ptr()
 
 
 def launch_tail(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights) -> Dict[str, int]:
@@ -729,13 +760,15 @@ def mega_moe(
         raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
     if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
-    # Plans live on the buffer (they die with it); weight addresses, shapes, strides and dtypes
-    # (not object ids, which are reused) identify a validated plan.
-    key = (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), experiment_defines(),
-           *((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (l1.weight, l1.scale, l2.weight, l2.scale)))
+    # Plans live on the buffer (they die with it), one per config, environment of the build and weight
+    # set; the weights' ids find a plan and the plan confirms they are the objects it was built for
+    # (a dropped set's id may come back), which costs far less per call than hashing their shapes.
+    key = (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), os.environ.get(ENV_EXPERIMENT),
+           id(l1), id(l2))
     plan = buf.plans.get(key)
-    if plan is None:
+    if plan is None or not plan.serves(l1, l2):
         plan = buf.plans[key] = _plan(buf, l1, l2, config)
+        plan.bind(l1, l2)
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise MegaMoEError(
             f"mega_moe: y must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(y, 'shape', y)!r}"
@@ -769,12 +802,13 @@ def input_addresses(buf: SymmBuffer, given: Sequence[torch.Tensor]) -> Optional[
     own views already (nothing to copy); None when one is not 16-byte aligned (the caller copies
     them instead).  An input elsewhere inside the symmetric buffer is refused: the kernel's copy
     would overwrite rows it is still reading."""
-    addresses = tuple(t.data_ptr() for t in given)
-    if addresses == tuple(v.data_ptr() for v in buf.inputs):
+    x, x_sf, topk_idx, topk_weights = given
+    addresses = (x.data_ptr(), x_sf.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr())
+    if addresses == buf.input_ptrs:
         return _NO_INPUTS
-    lo, hi = buf.buffer.data_ptr(), buf.buffer.data_ptr() + buf.nbytes
+    lo, hi = buf.span
     for name, t, a in zip(_INPUTS, given, addresses):
-        if t.numel() and a < hi and a + t.numel() * t.element_size() > lo:
+        if a < hi and a + t.nbytes > lo and t.nbytes:
             raise MegaMoEError(
                 f"mega_moe: {name} lies inside the symmetric buffer; pass the buffer's own views (buf.x[:n], ...) "
                 "all four, or tensors outside it"

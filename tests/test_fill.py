@@ -110,8 +110,10 @@ def fake_buffer():
         out.append(raw[offset:offset + size].view(dtype).view(t, cols))
         offset += -(-size // 1024) * 1024
     x, x_sf, topk_idx, topk_weights = out
+    inputs = (x, x_sf, topk_idx, topk_weights)
     return SimpleNamespace(buffer=raw, nbytes=raw.numel(), x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights,
-                           inputs=(x, x_sf, topk_idx, topk_weights))
+                           inputs=inputs, input_ptrs=tuple(v.data_ptr() for v in inputs),
+                           span=(raw.data_ptr(), raw.data_ptr() + raw.numel()))
 
 
 def aligned(t):

@@ -3,7 +3,6 @@
 CPU tiers need only ``nvcc`` (skipped without it); tests marked ``gpu`` load and launch cubins.
 """
 
-import ctypes
 import fcntl
 import importlib
 import json
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from fake_driver.harness import build_fake_driver, run_with_fake_driver
 from megamoe_cli.errors import MegaMoEError, MegaMoETimeout
 from megamoe_cli.jit import (
     BuildError,
@@ -414,13 +414,92 @@ def test_tensor_map_valid_layouts_pass_validation():
     validate_tensor_map_2d("i32", 0x1000, (3, 1), 16, (4, 1), "none")
 
 
-def test_driver_structs_match_cuda_h():
-    assert ctypes.sizeof(driver.CUlaunchAttribute) == 72
-    assert driver.CUlaunchAttribute.value.offset == 8
-    assert ctypes.sizeof(driver.CUlaunchConfig) == 56
-    assert driver.CUlaunchConfig.hStream.offset == 32
-    assert driver.CUlaunchConfig.attrs.offset == 40
-    assert driver.CUlaunchConfig.numAttrs.offset == 48
+@pytest.fixture(scope="module")
+def fake_driver_run(tmp_path_factory):
+    """Module loading, globals, attributes and tensor maps through cuda.bindings, against a
+    stand-in ``libcuda.so.1`` that records what it is given (tests/fake_driver)."""
+    library = build_fake_driver(tmp_path_factory.mktemp("fake_driver"))
+    (library / "k.cubin").write_bytes(b"\x7fELF" + bytes(range(12)))
+    (library / "report.json").write_text(json.dumps({"report": PtxasReport.parse(
+        "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n").to_dict()}))
+    return run_with_fake_driver(library, r"""
+from megamoe_cli.jit import driver, encode_tensor_map_2d, load_module
+out = {}
+module = load_module("k.cubin", 1)
+out["context"] = module.context
+out["image"] = bytes((ctypes.c_ubyte * 16).from_address(fake.fake_module_image())).hex()
+out["cached"] = load_module("k.cubin", 1) is module
+function = module.get_function("k")
+out["registers"] = function.num_registers
+function.set_max_dynamic_smem(150_000)
+attr = (ctypes.c_int * 2).from_address(fake.fake_func_attribute_set())
+out["attribute_set"] = list(attr)
+out["blocks"] = [function.max_active_blocks_per_sm(384, 100_000), function.max_active_blocks_per_sm(384, 220_000)]
+out["clusters"] = function.max_active_clusters(384, 100_000, 2)
+out["occupancy_cluster"] = fake.fake_occupancy_cluster()
+
+counters = (ctypes.c_ubyte * 48).from_address(fake.fake_global_counters())
+counters[:] = list(range(48))
+out["global"] = module.read_global("megamoe_profile").hex()
+module.zero_global("megamoe_profile")
+out["zeroed"] = bytes(counters).hex()
+
+tensor_map = encode_tensor_map_2d("bf16", 0x7F0000001000, (7168, 4096), 14336, (64, 32), "128b", name="y")
+out["map_bytes"] = len(tensor_map)
+out["map_args"] = list(struct.unpack("<14Q", tensor_map[:112]))
+out["map_f32"] = list(struct.unpack("<14Q", encode_tensor_map_2d("f32", 0x1000, (56, 4096), 224, (4, 128), "none")[:112]))
+
+handle, offset = driver.ipc_export(0x7F0000012345, 0)
+out["ipc"] = [handle.hex(), offset, driver.ipc_open(handle, 16, 0)]
+driver.ipc_close(handle, 0)
+out["pci"] = [driver.pci_bus_id(1), driver.device_by_pci_bus_id("0000:19:00.0"),
+              driver.device_by_pci_bus_id("0000:55:00.0"), driver.peer_native_atomics(0, 1),
+              driver.peer_native_atomics(1, 1)]
+
+try:
+    module.get_function("missing_kernel")
+except driver.CudaDriverError as error:
+    out["missing"] = str(error)
+print(json.dumps(out))
+""")
+
+
+def test_modules_load_through_the_binding(fake_driver_run):
+    assert fake_driver_run["context"] == 0xC001, "loaded into device 1's primary context"
+    assert bytes.fromhex(fake_driver_run["image"]) == b"\x7fELF" + bytes(range(12)), "the cubin's bytes reach the driver"
+    assert fake_driver_run["cached"]
+    assert fake_driver_run["registers"] == 168
+    assert fake_driver_run["attribute_set"] == [8, 150_000]  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    assert fake_driver_run["blocks"] == [1, 0]
+    assert fake_driver_run["occupancy_cluster"] == 2 and fake_driver_run["clusters"] == 66
+
+
+def test_module_globals_are_read_and_zeroed(fake_driver_run):
+    assert bytes.fromhex(fake_driver_run["global"]) == bytes(range(48))
+    assert bytes.fromhex(fake_driver_run["zeroed"]) == bytes(48)
+
+
+def test_tensor_maps_pass_the_cuda_h_enum_values(fake_driver_run):
+    # dtype, rank, address, dims, outer stride, box, element strides, interleave, swizzle, L2 promotion, OOB fill;
+    # the enum values as cuda.h numbers them (BFLOAT16 9, FLOAT32 7, SWIZZLE_128B 3, L2_256B 3)
+    assert fake_driver_run["map_bytes"] == 128
+    assert fake_driver_run["map_args"] == [9, 2, 0x7F0000001000, 7168, 4096, 14336, 64, 32, 1, 1, 0, 3, 3, 0]
+    assert fake_driver_run["map_f32"] == [7, 2, 0x1000, 56, 4096, 224, 4, 128, 1, 1, 0, 0, 3, 0]
+
+
+def test_ipc_handles_and_devices_through_the_binding(fake_driver_run):
+    handle_hex, offset, mapped = fake_driver_run["ipc"]
+    handle = bytes.fromhex(handle_hex)
+    # The stand-in fills the handle from the allocation's base (address & ~0xFFFF) with zeros between.
+    assert len(handle) == 64 and handle[0] == 0x01 and handle[1:3] == b"\0\0" and offset == 0x2345
+    # Its open maps at 0x70000 + first byte + last byte: all 64 bytes went through, by value.
+    assert mapped == 0x70000 + handle[0] + handle[63] + 16
+    assert fake_driver_run["pci"] == ["0000:19:00.0", 1, None, True, False]
+
+
+def test_an_unknown_function_is_named_with_the_modules_entries(fake_driver_run):
+    message = fake_driver_run["missing"]
+    assert "'missing_kernel'" in message and "CUDA_ERROR_NOT_FOUND" in message and "['k']" in message
 
 
 def test_without_a_driver_calls_fail_clearly(tmp_path):

@@ -1,86 +1,111 @@
-"""`PreparedLaunch` on the CPU: what a launch hands the driver, with the driver's entry points
-replaced by recorders (the GPU tier launches real kernels through the same object)."""
+"""`PreparedLaunch` on the CPU: what a launch hands the driver through cuda.bindings, read back
+from a stand-in ``libcuda.so.1`` that records its calls (tests/fake_driver); the GPU tier launches
+real kernels through the same object."""
 
-import ctypes
 import struct
 
 import pytest
 
+from fake_driver.harness import build_fake_driver, run_with_fake_driver
 from megamoe_cli.jit import driver
 
 
-class FakeModule:
-    def __init__(self):
-        self.made_current = 0
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """One child process runs every launch scenario against the stand-in driver."""
+    library = build_fake_driver(tmp_path_factory.mktemp("fake_driver"))
+    (library / "k.cubin").write_bytes(b"\x7fELF" + bytes(range(12)))
+    return run_with_fake_driver(library, r"""
+from megamoe_cli.jit import driver, load_module
+out = {}
+module = load_module("k.cubin", 0)
+function = module.get_function("k")
+out["params_bytes"] = function.params_bytes()
 
+prepared = function.prepare((132,), (384,), 200_000, 24)
+prepared.params[:] = struct.pack("<QQQ", 1, 2, 3)
+prepared.launch(77)
+out["first"] = last_launch()
+struct.pack_into("<Q", prepared.params, 8, 99)  # rewritten between launches, like y and num_tokens
+prepared.launch(78)
+out["second"] = last_launch()
+
+clustered = function.prepare((8,), (128,), 0, 24, cluster=(2, 1, 1))
+clustered.params[:] = bytes(range(24))
+clustered.launch(5)
+out["cluster_first"] = last_launch()
+clustered.launch(6)
+out["cluster_second"] = last_launch()
+
+function.launch((4,), (32,), 0, 9, struct.pack("<QQQ", 7, 8, 9))
+out["one_off"] = last_launch()
+
+# Another thread's work made another context current: the launch makes the module's current again.
+sets_before = fake.fake_context_sets()
+fake.fake_set_current_context(0xC001)
+prepared.launch(11)
+out["context_sets"] = fake.fake_context_sets() - sets_before
+launches_before = fake.fake_launches()
+prepared.launch(12)
+out["context_sets_after"] = fake.fake_context_sets() - sets_before
+out["driver_launches"] = fake.fake_launches() - launches_before
+
+fake.fake_fail_next_launch(1)
+try:
+    prepared.launch(0)
+except driver.CudaDriverError as error:
+    out["error"] = str(error)
+    out["error_name"] = error.error_name
+print(json.dumps(out))
+""")
+
+
+def test_the_driver_reads_the_block_as_written_at_each_launch(launches):
+    first, second = launches["first"], launches["second"]
+    assert first["grid"] == [132, 1, 1] and first["block"] == [384, 1, 1] and first["smem"] == 200_000
+    assert first["function"] == 0x6000 and (first["stream"], second["stream"]) == (77, 78)
+    assert first["params_address"] % driver.PARAMS_ALIGN_BYTES == 0, "CUtensorMaps in the block need 64-byte alignment"
+    assert first["params_address"] == second["params_address"], "the block is written in place, not copied per call"
+    assert struct.unpack("<QQQ", bytes.fromhex(first["params"])[:24]) == (1, 2, 3)
+    assert struct.unpack("<QQQ", bytes.fromhex(second["params"])[:24]) == (1, 99, 3)
+    assert first["cluster"] == [0, 0, 0], "a launch without a cluster goes through cuLaunchKernel"
+    assert launches["params_bytes"] == 24
+
+
+def test_a_cluster_launch_carries_the_cluster_and_the_stream(launches):
+    first, second = launches["cluster_first"], launches["cluster_second"]
+    assert first["cluster"] == [2, 1, 1] and first["grid"] == [8, 1, 1] and first["block"] == [128, 1, 1]
+    assert first["attribute_id"] == int(driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    assert (first["stream"], second["stream"]) == (5, 6)
+    assert bytes.fromhex(second["params"])[:24] == bytes(range(24))
+
+
+def test_launch_copies_a_one_off_block_through_a_prepared_launch(launches):
+    assert struct.unpack("<QQQ", bytes.fromhex(launches["one_off"]["params"])[:24]) == (7, 8, 9)
+    assert launches["one_off"]["stream"] == 9
+
+
+def test_a_launch_restores_the_modules_context_and_makes_one_launch_call(launches):
+    assert launches["context_sets"] == 1, "another context was current: the module's is made current once"
+    assert launches["context_sets_after"] == 1, "already current: no second switch"
+    assert launches["driver_launches"] == 1
+
+
+def test_a_driver_error_names_the_launch(launches):
+    assert launches["error_name"] == "CUDA_ERROR_INVALID_VALUE"
+    assert "cuLaunchKernel(k, grid=(132, 1, 1), block=(384, 1, 1), smem=200000" in launches["error"]
+    assert launches["error"].endswith("(invalid argument)")
+
+
+class FakeModule:
     def make_current(self):
-        self.made_current += 1
+        raise AssertionError("a refused shape must not reach the driver")
 
 
 def fake_function(params_bytes):
-    module = FakeModule()
-    function = driver.CudaFunction(module, "k", 0x1234)
+    function = driver.CudaFunction(FakeModule(), "k", 0x1234)
     function._params_bytes, function._params_checked = params_bytes, True
     return function
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Every driver launch as (entry point, what it was given), the parameter block read back."""
-    seen = []
-
-    def launch_kernel(handle, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
-        block = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0]
-        seen.append(("cuLaunchKernel", dict(handle=handle.value, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
-                                            stream=stream, address=block, params=ctypes.string_at(block, 24))))
-        return driver.CUDA_SUCCESS
-
-    def launch_kernel_ex(config_ref, handle, kernel_params, extra):
-        config = ctypes.cast(config_ref, ctypes.POINTER(driver.CUlaunchConfig)).contents
-        block = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0]
-        dim = config.attrs[0].value.clusterDim
-        seen.append(("cuLaunchKernelEx", dict(grid=(config.gridDimX, config.gridDimY, config.gridDimZ),
-                                              stream=config.hStream, cluster=(dim.x, dim.y, dim.z),
-                                              attr=config.attrs[0].id, params=ctypes.string_at(block, 24))))
-        return driver.CUDA_SUCCESS
-
-    fakes = {"cuLaunchKernel": launch_kernel, "cuLaunchKernelEx": launch_kernel_ex}
-    monkeypatch.setattr(driver, "_function", lambda name: fakes[name])
-    return seen
-
-
-def test_the_driver_reads_the_block_as_written_at_each_launch(calls):
-    function = fake_function(24)
-    prepared = function.prepare((132,), (384,), 200_000, 24)
-    prepared.params[:] = struct.pack("<QQQ", 1, 2, 3)
-    prepared.launch(77)
-    struct.pack_into("<Q", prepared.params, 8, 99)  # rewritten between launches, like y and num_tokens
-    prepared.launch(78)
-    (name0, first), (name1, second) = calls
-    assert name0 == name1 == "cuLaunchKernel"
-    assert first["grid"] == (132, 1, 1) and first["block"] == (384, 1, 1) and first["smem"] == 200_000
-    assert first["handle"] == 0x1234 and (first["stream"], second["stream"]) == (77, 78)
-    assert first["address"] % driver.PARAMS_ALIGN_BYTES == 0, "CUtensorMaps in the block need 64-byte alignment"
-    assert struct.unpack("<QQQ", first["params"]) == (1, 2, 3)
-    assert struct.unpack("<QQQ", second["params"]) == (1, 99, 3)
-    assert function.module.made_current == 2
-
-
-def test_a_cluster_launch_carries_the_cluster_and_the_stream(calls):
-    prepared = fake_function(24).prepare((8,), (128,), 0, 24, cluster=(2, 1, 1))
-    prepared.params[:] = bytes(range(24))
-    prepared.launch(5)
-    prepared.launch(6)
-    assert [c[0] for c in calls] == ["cuLaunchKernelEx"] * 2
-    assert calls[0][1]["cluster"] == (2, 1, 1) and calls[0][1]["grid"] == (8, 1, 1)
-    assert calls[0][1]["attr"] == driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    assert (calls[0][1]["stream"], calls[1][1]["stream"]) == (5, 6)
-    assert calls[1][1]["params"] == bytes(range(24))
-
-
-def test_launch_copies_a_one_off_block_through_a_prepared_launch(calls):
-    fake_function(24).launch((4,), (32,), 0, 9, struct.pack("<QQQ", 7, 8, 9))
-    assert struct.unpack("<QQQ", calls[0][1]["params"]) == (7, 8, 9)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -88,15 +113,6 @@ def test_launch_copies_a_one_off_block_through_a_prepared_launch(calls):
     (dict(grid=(4,), cluster=(1, 1, 1), nbytes=16), "takes a 24-byte parameter block, got 16 bytes"),
     (dict(grid=(0,), cluster=(1, 1, 1), nbytes=24), r"grid must be 1 to 3 positive integers, got \(0,\)"),
 ])
-def test_a_wrong_shape_is_refused_before_anything_is_launched(calls, kwargs, message):
+def test_a_wrong_shape_is_refused_before_anything_is_launched(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fake_function(24).prepare(kwargs["grid"], (32,), 0, kwargs["nbytes"], cluster=kwargs["cluster"])
-    assert calls == []
-
-
-def test_a_driver_error_names_the_launch(monkeypatch):
-    monkeypatch.setattr(driver, "_function", lambda name: (lambda *args: 1))  # CUDA_ERROR_INVALID_VALUE
-    monkeypatch.setattr(driver, "_error_text", lambda code: ("CUDA_ERROR_INVALID_VALUE", "invalid argument"))
-    prepared = fake_function(24).prepare((4,), (32,), 1 << 20, 24)
-    with pytest.raises(driver.CudaDriverError, match=r"cuLaunchKernel\(k, grid=\(4, 1, 1\).*smem=1048576"):
-        prepared.launch(0)

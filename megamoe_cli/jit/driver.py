@@ -1,9 +1,10 @@
-"""Load cubins and launch their kernels through the CUDA driver API (ctypes over libcuda.so.1).
+"""Load cubins and launch their kernels through the CUDA driver API (``cuda.bindings.driver``).
 
-Importing this module never touches the driver: ``libcuda.so.1`` loads on the first
-call, so CPU-only machines can import everything and only fail, with a clear error,
-when they try to load or launch.  Kernels take one by-value parameter
-(``__grid_constant__ const Params p``); ``launch`` receives that struct's raw bytes.
+The binding is NVIDIA's cuda-python package (``cuda-bindings``, which CUDA builds of torch
+depend on); it imports without a GPU and opens ``libcuda.so.1`` on the first driver call, so
+CPU-only machines import everything here and only fail, with a clear error, when they try to
+load or launch.  Kernels take one by-value parameter (``__grid_constant__ const Params p``);
+``launch`` receives that struct's raw bytes.
 """
 
 from __future__ import annotations
@@ -15,22 +16,19 @@ import threading
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
+from cuda.bindings import driver as cu
+
 from .build import PtxasReport
 
-CUDA_SUCCESS = 0
-CUDA_ERROR_INVALID_VALUE = 1
-CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
-CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
-CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
-CU_FUNC_ATTRIBUTE_NUM_REGS = 4
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 3
-CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CUDA_SUCCESS = cu.CUresult.CUDA_SUCCESS
+CUDA_ERROR_INVALID_VALUE = cu.CUresult.CUDA_ERROR_INVALID_VALUE
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = int(cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
 PARAMS_ALIGN_BYTES = 64
+IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 
-_c_void_pp = ctypes.POINTER(ctypes.c_void_p)
+_Attribute = cu.CUfunction_attribute
 
 
 class CudaDriverError(RuntimeError):
@@ -43,184 +41,94 @@ class CudaDriverError(RuntimeError):
         super().__init__(f"{call} failed: {error_name} ({description})")
 
 
-class _ClusterDim(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
-
-
-class CUlaunchAttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("clusterDim", _ClusterDim), ("align", ctypes.c_uint64)]
-
-
-class CUlaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", CUlaunchAttributeValue)]
-
-
-class CUlaunchConfig(ctypes.Structure):
-    _fields_ = [
-        ("gridDimX", ctypes.c_uint),
-        ("gridDimY", ctypes.c_uint),
-        ("gridDimZ", ctypes.c_uint),
-        ("blockDimX", ctypes.c_uint),
-        ("blockDimY", ctypes.c_uint),
-        ("blockDimZ", ctypes.c_uint),
-        ("sharedMemBytes", ctypes.c_uint),
-        ("hStream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(CUlaunchAttribute)),
-        ("numAttrs", ctypes.c_uint),
-    ]
-
-
-class CUipcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-_SIGNATURES = {
-    "cuInit": [ctypes.c_uint],
-    "cuDriverGetVersion": [ctypes.POINTER(ctypes.c_int)],
-    "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
-    "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
-    "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
-    "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
-    "cuDeviceGetPCIBusId": [ctypes.c_char_p, ctypes.c_int, ctypes.c_int],
-    "cuDeviceGetByPCIBusId": [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p],
-    "cuDeviceGetP2PAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int],
-    "cuDevicePrimaryCtxRetain": [_c_void_pp, ctypes.c_int],
-    "cuCtxGetCurrent": [_c_void_pp],
-    "cuCtxSetCurrent": [ctypes.c_void_p],
-    "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
-    "cuModuleLoadData": [_c_void_pp, ctypes.c_void_p],
-    "cuModuleGetFunction": [_c_void_pp, ctypes.c_void_p, ctypes.c_char_p],
-    "cuModuleGetGlobal_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p, ctypes.c_char_p],
-    "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
-    "cuMemsetD8_v2": [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t],
-    "cuMemGetAddressRange_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64],
-    "cuIpcGetMemHandle": [ctypes.POINTER(CUipcMemHandle), ctypes.c_uint64],
-    "cuIpcOpenMemHandle_v2": [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle, ctypes.c_uint],
-    "cuIpcCloseMemHandle": [ctypes.c_uint64],
-    "cuFuncSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
-    "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p],
-    "cuFuncGetParamInfo": [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
-    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t],
-    "cuOccupancyMaxActiveClusters": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(CUlaunchConfig)],
-    "cuLaunchKernel": [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, _c_void_pp, _c_void_pp],
-    "cuLaunchKernelEx": [ctypes.POINTER(CUlaunchConfig), ctypes.c_void_p, _c_void_pp, _c_void_pp],
-    "cuTensorMapEncodeTiled": [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_uint32,
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_uint64),
-        ctypes.POINTER(ctypes.c_uint64),
-        ctypes.POINTER(ctypes.c_uint32),
-        ctypes.POINTER(ctypes.c_uint32),
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ],
-}
-
 _lock = threading.RLock()
-_libcuda: Optional[ctypes.CDLL] = None
-_functions: Dict[str, object] = {}
-_primary_contexts: Dict[int, int] = {}
+_initialized = False
+_primary_contexts: Dict[int, "cu.CUcontext"] = {}
 _modules: Dict[Tuple[str, int], "CudaModule"] = {}
 
 
-def _bind(library: ctypes.CDLL, name: str):
-    try:
-        function = getattr(library, name)
-    except AttributeError:
-        raise RuntimeError(f"the CUDA driver lacks {name}; update the NVIDIA driver") from None
-    function.argtypes = _SIGNATURES[name]
-    function.restype = ctypes.c_int
-    return function
+def _init() -> None:
+    """Open the driver and ``cuInit`` it once; without a driver, one error saying so.
 
-
-def _describe(library: ctypes.CDLL, code: int) -> Tuple[str, str]:
-    name, description = ctypes.c_char_p(), ctypes.c_char_p()
-    if _bind(library, "cuGetErrorName")(code, ctypes.byref(name)) != CUDA_SUCCESS or not name.value:
-        return f"CUresult {code}", "unknown error code"
-    _bind(library, "cuGetErrorString")(code, ctypes.byref(description))
-    return name.value.decode(), (description.value or b"").decode()
-
-
-def _library() -> ctypes.CDLL:
-    global _libcuda
+    The binding raises its own loader error (not a CUresult) when ``libcuda.so.1`` is missing."""
+    global _initialized
+    if _initialized:
+        return
     with _lock:
-        if _libcuda is None:
-            try:
-                library = ctypes.CDLL("libcuda.so.1")
-            except OSError as error:
-                raise RuntimeError(
-                    f"cannot load the CUDA driver library libcuda.so.1 ({error}); loading and launching "
-                    "kernels needs an NVIDIA GPU with its driver installed"
-                ) from None
-            result = _bind(library, "cuInit")(0)
-            if result != CUDA_SUCCESS:
-                raise CudaDriverError("cuInit", result, *_describe(library, result))
-            _libcuda = library
-        return _libcuda
+        if _initialized:
+            return
+        try:
+            (result,) = cu.cuInit(0)
+        except Exception as error:  # the binding's loader: no libcuda.so.1, or one too old for it
+            raise RuntimeError(
+                f"cannot load the CUDA driver library libcuda.so.1 ({type(error).__name__}: {error}); loading "
+                "and launching kernels needs an NVIDIA GPU with its driver installed"
+            ) from None
+        if result != CUDA_SUCCESS:
+            raise CudaDriverError("cuInit", int(result), *_describe(result))
+        _initialized = True
 
 
-def _function(name: str):
-    function = _functions.get(name)
-    if function is None:
-        with _lock:
-            function = _functions.get(name)
-            if function is None:
-                function = _functions[name] = _bind(_library(), name)
-    return function
+def _describe(result) -> Tuple[str, str]:
+    error, name = cu.cuGetErrorName(result)
+    if error != CUDA_SUCCESS or not name:
+        return f"CUresult {int(result)}", "unknown error code"
+    _, description = cu.cuGetErrorString(result)
+    return name.decode(), (description or b"").decode()
 
 
-def _error_text(code: int) -> Tuple[str, str]:
-    return _describe(_library(), code)
+def _error_text(result) -> Tuple[str, str]:
+    _init()
+    return _describe(result)
 
 
-def check(result: int, call: str) -> None:
+def check(result, call: str) -> None:
     """Raise ``CudaDriverError`` naming ``call`` unless ``result`` is CUDA_SUCCESS."""
     if result != CUDA_SUCCESS:
         error_name, description = _error_text(result)
-        raise CudaDriverError(call, result, error_name, description)
+        raise CudaDriverError(call, int(result), error_name, description)
 
 
-def _call(name: str, *args, what: str = "") -> None:
-    check(_function(name)(*args), f"{name}({what})" if what else name)
+def _call(name: str, *args, what: str = ""):
+    """``cu.<name>(*args)``, its CUresult checked; returns the call's outputs (one value, a tuple
+    of several, or None)."""
+    _init()
+    result, *outputs = getattr(cu, name)(*args)
+    check(result, f"{name}({what})" if what else name)
+    if not outputs:
+        return None
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def is_available() -> bool:
     """Whether the driver loads and sees at least one device."""
     try:
-        count = ctypes.c_int()
-        _call("cuDeviceGetCount", ctypes.byref(count))
-        return count.value > 0
+        return _call("cuDeviceGetCount") > 0
     except RuntimeError:
         return False
 
 
 def pci_bus_id(device: int) -> str:
     """The device's PCI bus id (``domain:bus:device.function``), the same in every process."""
-    out = ctypes.create_string_buffer(32)
-    handle = ctypes.c_int()
-    _call("cuDeviceGet", ctypes.byref(handle), device, what=f"device {device}")
-    _call("cuDeviceGetPCIBusId", out, len(out), handle.value, what=f"device {device}")
-    return out.value.decode()
+    handle = _call("cuDeviceGet", device, what=f"device {device}")
+    raw = _call("cuDeviceGetPCIBusId", 32, handle, what=f"device {device}")
+    return raw.split(b"\0", 1)[0].decode()
 
 
 def device_by_pci_bus_id(bus_id: str) -> Optional[int]:
     """This process's device with that PCI bus id, or None when it does not see it."""
-    handle = ctypes.c_int()
-    if _function("cuDeviceGetByPCIBusId")(ctypes.byref(handle), bus_id.encode()) != CUDA_SUCCESS:
+    _init()
+    result, handle = cu.cuDeviceGetByPCIBusId(bus_id.encode())
+    if result != CUDA_SUCCESS:
         return None
-    return handle.value
+    return int(handle)
 
 
 def peer_native_atomics(device: int, peer: int) -> bool:
     """Whether atomics from ``device`` on ``peer``'s memory are native (NVLink; PCIe usually not)."""
-    value = ctypes.c_int()
-    _call("cuDeviceGetP2PAttribute", ctypes.byref(value), CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-          device, peer, what=f"native atomics {device} -> {peer}")
-    return value.value != 0
+    value = _call("cuDeviceGetP2PAttribute", cu.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                  device, peer, what=f"native atomics {device} -> {peer}")
+    return value != 0
 
 
 def ipc_export(ptr: int, device: int) -> Tuple[bytes, int]:
@@ -229,22 +137,22 @@ def ipc_export(ptr: int, device: int) -> Tuple[bytes, int]:
     Works on memory from cudaMalloc (PyTorch's default allocator), not on virtual-memory
     allocations (``expandable_segments``), which the driver refuses to export this way."""
     ensure_context(device)
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr, what=f"0x{ptr:x}")
-    handle = CUipcMemHandle()
-    _call("cuIpcGetMemHandle", ctypes.byref(handle), base.value, what=f"allocation at 0x{base.value:x}")
-    return ipc_handle_bytes(handle), ptr - base.value
+    base, _ = _call("cuMemGetAddressRange", ptr, what=f"0x{ptr:x}")
+    handle = _call("cuIpcGetMemHandle", base, what=f"allocation at 0x{int(base):x}")
+    return ipc_handle_bytes(handle), ptr - int(base)
 
 
-def ipc_handle_bytes(handle: CUipcMemHandle) -> bytes:
-    """All 64 bytes of an IPC handle (its char-array field would stop at the first zero byte)."""
-    return bytes(handle)
+def ipc_handle_bytes(handle: "cu.CUipcMemHandle") -> bytes:
+    """All 64 bytes of an IPC handle (opaque bytes, zeros included)."""
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
 
 
-def ipc_handle_from_bytes(raw: bytes) -> CUipcMemHandle:
-    if len(raw) != ctypes.sizeof(CUipcMemHandle):
-        raise ValueError(f"an IPC handle has {ctypes.sizeof(CUipcMemHandle)} bytes, got {len(raw)}")
-    return CUipcMemHandle.from_buffer_copy(raw)
+def ipc_handle_from_bytes(raw: bytes) -> "cu.CUipcMemHandle":
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise ValueError(f"an IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(raw)}")
+    handle = cu.CUipcMemHandle()
+    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+    return handle
 
 
 # (device, handle) -> [address where it is mapped, number of ipc_open calls not yet closed]
@@ -265,10 +173,8 @@ def ipc_open(handle: bytes, offset: int, device: int) -> int:
     with _lock:
         entry = _ipc_opened.get((device, handle))
         if entry is None:
-            mapped = ctypes.c_uint64()
-            _call("cuIpcOpenMemHandle_v2", ctypes.byref(mapped), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
-                  what="a peer's buffer")
-            entry = _ipc_opened[(device, handle)] = [mapped.value, 0]
+            mapped = _call("cuIpcOpenMemHandle", raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, what="a peer's buffer")
+            entry = _ipc_opened[(device, handle)] = [int(mapped), 0]
         entry[1] += 1
     return entry[0] + offset
 
@@ -300,35 +206,25 @@ def ensure_context(device: Optional[int] = None) -> int:
     The primary context is the one the CUDA runtime (and so PyTorch) uses, so modules
     loaded here and tensors allocated by PyTorch share one address space.
     """
-    _library()
-    context = ctypes.c_void_p()
-    _call("cuCtxGetCurrent", ctypes.byref(context))
-    if context.value and device is None:
-        return context.value
+    context = int(_call("cuCtxGetCurrent"))
+    if context and device is None:
+        return context
     if device is None:
         device = _default_device()
-    if context.value:
-        current = ctypes.c_int()
-        _call("cuCtxGetDevice", ctypes.byref(current))
-        if current.value == device:
-            return context.value
+    if context and int(_call("cuCtxGetDevice")) == device:
+        return context
     with _lock:
         primary = _primary_contexts.get(device)
         if primary is None:
-            handle = ctypes.c_int()
-            _call("cuDeviceGet", ctypes.byref(handle), device, what=f"device {device}")
-            retained = ctypes.c_void_p()
-            _call("cuDevicePrimaryCtxRetain", ctypes.byref(retained), handle.value, what=f"device {device}")
-            primary = _primary_contexts[device] = retained.value
-    _call("cuCtxSetCurrent", ctypes.c_void_p(primary))
-    return primary
+            handle = _call("cuDeviceGet", device, what=f"device {device}")
+            primary = _primary_contexts[device] = _call("cuDevicePrimaryCtxRetain", handle, what=f"device {device}")
+    _call("cuCtxSetCurrent", primary)
+    return int(primary)
 
 
 def current_device() -> int:
     ensure_context()
-    device = ctypes.c_int()
-    _call("cuCtxGetDevice", ctypes.byref(device))
-    return device.value
+    return int(_call("cuCtxGetDevice"))
 
 
 def _dims(value: Sequence[int], what: str) -> Tuple[int, int, int]:
@@ -338,6 +234,22 @@ def _dims(value: Sequence[int], what: str) -> Tuple[int, int, int]:
     return dims + (1,) * (3 - len(dims))
 
 
+def _cluster_config(grid, block, smem_bytes: int, cluster) -> Tuple["cu.CUlaunchConfig", "cu.CUlaunchAttribute"]:
+    """A launch config carrying one cluster-dimension attribute (kept with it: the config points at it)."""
+    attribute = cu.CUlaunchAttribute()
+    attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    dim = attribute.value.clusterDim
+    dim.x, dim.y, dim.z = cluster
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem_bytes
+    config.hStream = 0
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config, attribute
+
+
 class CudaFunction:
     """One ``__global__`` function of a loaded module."""
 
@@ -345,58 +257,43 @@ class CudaFunction:
         self.module = module
         self.name = name
         self.handle = handle
+        self._function = cu.CUfunction(handle)
         self._params_bytes: Optional[int] = None
         self._params_checked = False
 
-    def attribute(self, attribute: int) -> int:
-        value = ctypes.c_int()
-        _call("cuFuncGetAttribute", ctypes.byref(value), attribute, ctypes.c_void_p(self.handle), what=self.name)
-        return value.value
+    def attribute(self, attribute: "cu.CUfunction_attribute") -> int:
+        return int(_call("cuFuncGetAttribute", attribute, self._function, what=self.name))
 
-    def set_attribute(self, attribute: int, value: int) -> None:
-        _call("cuFuncSetAttribute", ctypes.c_void_p(self.handle), attribute, int(value), what=f"{self.name}, {attribute}={value}")
+    def set_attribute(self, attribute: "cu.CUfunction_attribute", value: int) -> None:
+        _call("cuFuncSetAttribute", self._function, attribute, int(value), what=f"{self.name}, {attribute.name}={value}")
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
-        self.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        self.set_attribute(_Attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
 
     @property
     def num_registers(self) -> int:
-        return self.attribute(CU_FUNC_ATTRIBUTE_NUM_REGS)
+        return self.attribute(_Attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
 
     @property
     def local_size_bytes(self) -> int:
-        return self.attribute(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+        return self.attribute(_Attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
 
     @property
     def static_smem_bytes(self) -> int:
-        return self.attribute(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        return self.attribute(_Attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
 
     def max_active_blocks_per_sm(self, block_threads: int, smem_bytes: int) -> int:
         """How many blocks of this size fit on one SM at once (sizes a persistent grid)."""
-        blocks = ctypes.c_int()
-        _call(
-            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-            ctypes.byref(blocks),
-            ctypes.c_void_p(self.handle),
-            int(block_threads),
-            int(smem_bytes),
-            what=self.name,
-        )
-        return blocks.value
+        return int(_call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self._function, int(block_threads),
+                         int(smem_bytes), what=self.name))
 
     def max_active_clusters(self, block_threads: int, smem_bytes: int, cluster_size: int) -> int:
         """How many clusters of ``cluster_size`` blocks can be resident at once on the device
         (sizes a persistent clustered grid, where a GPC's odd SM cannot host a cluster)."""
-        attribute = CUlaunchAttribute()
-        attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster_size, 1, 1
-        config = CUlaunchConfig(cluster_size, 1, 1, int(block_threads), 1, 1, int(smem_bytes), None,
-                                ctypes.pointer(attribute), 1)
-        clusters = ctypes.c_int()
+        config, _attribute = _cluster_config((cluster_size, 1, 1), (int(block_threads), 1, 1), int(smem_bytes),
+                                             (cluster_size, 1, 1))
         self.module.make_current()
-        _call("cuOccupancyMaxActiveClusters", ctypes.byref(clusters), ctypes.c_void_p(self.handle),
-              ctypes.byref(config), what=self.name)
-        return clusters.value
+        return int(_call("cuOccupancyMaxActiveClusters", self._function, config, what=self.name))
 
     def params_bytes(self) -> Optional[int]:
         """Size of the kernel's one parameter, or None where the driver cannot say.
@@ -405,26 +302,22 @@ class CudaFunction:
         64-byte aligned struct may sit at a non-zero offset there.
         """
         if not self._params_checked:
-            offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+            _init()
             try:
-                get_info = _function("cuFuncGetParamInfo")
-            except RuntimeError:
-                get_info = None
-            if get_info is not None:
-                handle = ctypes.c_void_p(self.handle)
-                first = get_info(handle, 0, ctypes.byref(offset), ctypes.byref(size))
-                if first == CUDA_SUCCESS:
-                    second = get_info(handle, 1, ctypes.byref(ctypes.c_size_t()), ctypes.byref(ctypes.c_size_t()))
-                    if second == CUDA_SUCCESS:
-                        raise ValueError(
-                            f"kernel '{self.name}' takes several parameters; launch() passes one by-value struct "
-                            "(`__grid_constant__ const Params p`)"
-                        )
-                    self._params_bytes = size.value
-                elif first == CUDA_ERROR_INVALID_VALUE:
-                    self._params_bytes = 0
-                else:
-                    check(first, f"cuFuncGetParamInfo({self.name})")
+                first, _offset, size = cu.cuFuncGetParamInfo(self._function, 0)
+            except RuntimeError:  # a driver older than cuFuncGetParamInfo (12.4): the binding cannot find it
+                first = None
+            if first == CUDA_SUCCESS:
+                if cu.cuFuncGetParamInfo(self._function, 1)[0] == CUDA_SUCCESS:
+                    raise ValueError(
+                        f"kernel '{self.name}' takes several parameters; launch() passes one by-value struct "
+                        "(`__grid_constant__ const Params p`)"
+                    )
+                self._params_bytes = int(size)
+            elif first == CUDA_ERROR_INVALID_VALUE:
+                self._params_bytes = 0
+            elif first is not None:
+                check(first, f"cuFuncGetParamInfo({self.name})")
             self._params_checked = True
         return self._params_bytes
 
@@ -438,7 +331,7 @@ class CudaFunction:
     ) -> "PreparedLaunch":
         """Check a launch shape once and keep everything a launch of it needs; the caller writes
         the parameter bytes into ``PreparedLaunch.params`` and calls ``launch(stream)``, which
-        costs one driver call (the per-call work of a layer launched eagerly, every call)."""
+        costs one launch call (the per-call work of a layer launched eagerly, every call)."""
         grid3, block3, cluster3 = _dims(grid, "grid"), _dims(block, "block"), _dims(cluster, "cluster")
         if any(g % c for g, c in zip(grid3, cluster3)):
             raise ValueError(f"kernel '{self.name}': grid {grid3} is not a multiple of cluster {cluster3}")
@@ -473,6 +366,8 @@ class PreparedLaunch:
 
     ``params`` is a writable view of that block; the driver copies it when ``launch`` is called,
     so it may be rewritten as soon as ``launch`` returns (not while another thread launches).
+    The driver is handed the address of a one-entry pointer array to that block (an integer),
+    so a launch builds no argument objects: the binding passes the address straight through.
     """
 
     def __init__(self, function: CudaFunction, grid: Tuple[int, int, int], block: Tuple[int, int, int],
@@ -484,29 +379,29 @@ class PreparedLaunch:
         self.params = memoryview((ctypes.c_char * params_bytes).from_address(address)).cast("B") if params_bytes \
             else memoryview(bytearray())
         self._pointers = (ctypes.c_void_p * 1)(address)
-        self._kernel_params = ctypes.cast(self._pointers, _c_void_pp) if params_bytes else None
-        self._handle = ctypes.c_void_p(function.handle)
+        self._kernel_params = ctypes.addressof(self._pointers) if params_bytes else None
+        self._function = function._function
+        self._module = function.module
+        self._gx, self._gy, self._gz = grid
+        self._bx, self._by, self._bz = block
         if cluster == (1, 1, 1):
             self._call = "cuLaunchKernel"
             self._config = None
         else:
             self._call = "cuLaunchKernelEx"
-            self._attribute = CUlaunchAttribute()
-            self._attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            dim = self._attribute.value.clusterDim
-            dim.x, dim.y, dim.z = cluster
-            self._config = CUlaunchConfig(*grid, *block, smem_bytes, None, ctypes.pointer(self._attribute), 1)
-        self._driver = _function(self._call)
+            self._config, self._attribute = _cluster_config(grid, block, smem_bytes, cluster)
+        _init()
+        self._driver = getattr(cu, self._call)
 
     def launch(self, stream: int) -> None:
         """Launch on ``stream`` (a CUstream handle value) with the current contents of ``params``."""
-        self.function.module.make_current()
+        self._module.make_current()
         if self._config is None:
-            result = self._driver(self._handle, *self.grid, *self.block, self.smem_bytes, stream,
-                                  self._kernel_params, None)
+            (result,) = self._driver(self._function, self._gx, self._gy, self._gz, self._bx, self._by, self._bz,
+                                     self.smem_bytes, stream, self._kernel_params, 0)
         else:
             self._config.hStream = stream
-            result = self._driver(ctypes.byref(self._config), self._handle, self._kernel_params, None)
+            (result,) = self._driver(self._config, self._function, self._kernel_params, 0)
         if result != CUDA_SUCCESS:
             check(result, f"{self._call}({self.function.name}, grid={self.grid}, block={self.block}, "
                           f"smem={self.smem_bytes}, cluster={self.cluster})")
@@ -519,47 +414,48 @@ class CudaModule:
         self.path = path
         self.handle = handle
         self.context = context
+        self._module = cu.CUmodule(handle)
+        self._context = cu.CUcontext(context)
         self._functions: Dict[str, CudaFunction] = {}
 
     def make_current(self) -> None:
-        current = ctypes.c_void_p()
-        _call("cuCtxGetCurrent", ctypes.byref(current))
-        if current.value != self.context:
-            _call("cuCtxSetCurrent", ctypes.c_void_p(self.context))
+        """Make the module's context current if it is not (a thread may have switched devices);
+        the check is one cheap driver call, which the eager launch path pays every call."""
+        result, current = cu.cuCtxGetCurrent()
+        if result != CUDA_SUCCESS or int(current) != self.context:
+            check(result, "cuCtxGetCurrent")
+            _call("cuCtxSetCurrent", self._context)
 
     def global_address(self, name: str) -> Tuple[int, int]:
         """(device address, size in bytes) of the module's ``extern "C" __device__`` variable ``name``."""
         self.make_current()
-        address, size = ctypes.c_uint64(), ctypes.c_size_t()
-        _call("cuModuleGetGlobal_v2", ctypes.byref(address), ctypes.byref(size), ctypes.c_void_p(self.handle),
-              name.encode(), what=f"{name} in {self.path}")
-        return address.value, size.value
+        address, size = _call("cuModuleGetGlobal", self._module, name.encode(), what=f"{name} in {self.path}")
+        return int(address), int(size)
 
     def read_global(self, name: str) -> bytes:
         """The bytes of a module global (synchronous copy; the context's work must be done)."""
         address, size = self.global_address(name)
         data = ctypes.create_string_buffer(size)
-        _call("cuMemcpyDtoH_v2", data, ctypes.c_uint64(address), ctypes.c_size_t(size), what=name)
+        _call("cuMemcpyDtoH", ctypes.addressof(data), address, size, what=name)
         return data.raw
 
     def zero_global(self, name: str) -> None:
         address, size = self.global_address(name)
-        _call("cuMemsetD8_v2", ctypes.c_uint64(address), ctypes.c_ubyte(0), ctypes.c_size_t(size), what=name)
+        _call("cuMemsetD8", address, 0, size, what=name)
 
     def get_function(self, name: str) -> CudaFunction:
         with _lock:
             function = self._functions.get(name)
             if function is None:
                 self.make_current()
-                handle = ctypes.c_void_p()
-                result = _function("cuModuleGetFunction")(ctypes.byref(handle), ctypes.c_void_p(self.handle), name.encode())
+                result, handle = cu.cuModuleGetFunction(self._module, name.encode())
                 if result != CUDA_SUCCESS:
                     error_name, description = _error_text(result)
                     hint = _known_functions(self.path)
                     raise CudaDriverError(
-                        f"cuModuleGetFunction({name!r} in {self.path}){hint}", result, error_name, description
+                        f"cuModuleGetFunction({name!r} in {self.path}){hint}", int(result), error_name, description
                     )
-                function = self._functions[name] = CudaFunction(self, name, handle.value)
+                function = self._functions[name] = CudaFunction(self, name, int(handle))
             return function
 
 
@@ -579,17 +475,23 @@ def load_module(cubin_path, device: Optional[int] = None) -> CudaModule:
     with _lock:
         module = _modules.get((str(path), context))
         if module is None:
-            data = path.read_bytes()
-            handle = ctypes.c_void_p()
-            _call("cuModuleLoadData", ctypes.byref(handle), data, what=str(path))
-            module = _modules[(str(path), context)] = CudaModule(path, handle.value, context)
+            image = ctypes.create_string_buffer(path.read_bytes())  # the driver reads it during the call
+            handle = _call("cuModuleLoadData", ctypes.addressof(image), what=str(path))
+            module = _modules[(str(path), context)] = CudaModule(path, int(handle), context)
         return module
 
 
-def tensor_map_encode_tiled(*args) -> None:
-    """``cuTensorMapEncodeTiled`` with the context made current first; see ``tensor_map.py``."""
+def tensor_map_encode_tiled(data_type, rank: int, address: int, dims: Sequence[int], strides: Sequence[int],
+                            box: Sequence[int], element_strides: Sequence[int], interleave, swizzle, l2_promotion,
+                            oob_fill) -> bytes:
+    """``cuTensorMapEncodeTiled`` with the context made current first: the 128 bytes of the
+    ``CUtensorMap`` (see ``tensor_map.py``)."""
     ensure_context()
-    _call("cuTensorMapEncodeTiled", *args)
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t  # the binding takes its own integer types in these arrays
+    tensor_map = _call("cuTensorMapEncodeTiled", data_type, rank, address, [u64(v) for v in dims],
+                       [u64(v) for v in strides], [u32(v) for v in box], [u32(v) for v in element_strides],
+                       interleave, swizzle, l2_promotion, oob_fill)
+    return ctypes.string_at(tensor_map.getPtr(), TENSOR_MAP_BYTES)
 
 
 __all__ = [

@@ -2,43 +2,44 @@
 
 Every rule the driver enforces is checked here first, in Python, so a bad layout fails
 with a message naming the tensor and the rule instead of a bare CUDA_ERROR_INVALID_VALUE
-(and so the rules are testable without a GPU).  Enum values are those of cuda.h
-(CUDA 13.0).
+(and so the rules are testable without a GPU).  The enums come from ``cuda.bindings.driver``,
+the same binding that encodes the map.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Dict, Sequence, Tuple
+
+from cuda.bindings import driver as cu
 
 from ..errors import MegaMoEError
 from . import driver
 
 TENSOR_MAP_BYTES = 128
-TENSOR_MAP_ALIGN_BYTES = 64
 MAX_BOX_DIM = 256
 MAX_GLOBAL_DIM = 1 << 32
 MAX_GLOBAL_STRIDE = 1 << 40
 
-# CUtensorMapDataType: (enum value, element bytes)
-DTYPES: Dict[str, Tuple[int, int]] = {
-    "u8": (0, 1),  # CU_TENSOR_MAP_DATA_TYPE_UINT8
-    "fp8": (0, 1),  # FP8 moves as raw bytes
-    "i32": (3, 4),  # CU_TENSOR_MAP_DATA_TYPE_INT32
-    "f32": (7, 4),  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-    "bf16": (9, 2),  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+_DataType = cu.CUtensorMapDataType
+_Swizzle = cu.CUtensorMapSwizzle
+# dtype name: (CUtensorMapDataType, element bytes)
+DTYPES: Dict[str, Tuple[_DataType, int]] = {
+    "u8": (_DataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+    "fp8": (_DataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),  # FP8 moves as raw bytes
+    "i32": (_DataType.CU_TENSOR_MAP_DATA_TYPE_INT32, 4),
+    "f32": (_DataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
+    "bf16": (_DataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
 }
-# CUtensorMapSwizzle: (enum value, swizzle span in bytes; 0 = no swizzle)
-SWIZZLES: Dict[str, Tuple[int, int]] = {
-    "none": (0, 0),
-    "32b": (1, 32),
-    "64b": (2, 64),
-    "128b": (3, 128),
+# swizzle name: (CUtensorMapSwizzle, swizzle span in bytes; 0 = no swizzle)
+SWIZZLES: Dict[str, Tuple[_Swizzle, int]] = {
+    "none": (_Swizzle.CU_TENSOR_MAP_SWIZZLE_NONE, 0),
+    "32b": (_Swizzle.CU_TENSOR_MAP_SWIZZLE_32B, 32),
+    "64b": (_Swizzle.CU_TENSOR_MAP_SWIZZLE_64B, 64),
+    "128b": (_Swizzle.CU_TENSOR_MAP_SWIZZLE_128B, 128),
 }
-CU_TENSOR_MAP_INTERLEAVE_NONE = 0
-CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
-CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0
-
+INTERLEAVE = cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+L2_PROMOTION = cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+OOB_FILL = cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 
 def _pair(value: Sequence[int], what: str, prefix: str) -> Tuple[int, int]:
     if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(
@@ -119,24 +120,7 @@ def encode_tensor_map_2d(
     offset of the kernel's parameter struct.
     """
     validate_tensor_map_2d(dtype, address, dims, outer_stride_bytes, box, swizzle, name=name)
-    storage = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN_BYTES)
-    aligned = (ctypes.addressof(storage) + TENSOR_MAP_ALIGN_BYTES - 1) & ~(TENSOR_MAP_ALIGN_BYTES - 1)
-    global_dims = (ctypes.c_uint64 * 2)(*dims)
-    global_strides = (ctypes.c_uint64 * 1)(outer_stride_bytes)
-    box_dims = (ctypes.c_uint32 * 2)(*box)
-    element_strides = (ctypes.c_uint32 * 2)(1, 1)
-    driver.tensor_map_encode_tiled(
-        ctypes.c_void_p(aligned),
-        DTYPES[dtype][0],
-        2,
-        ctypes.c_void_p(address),
-        global_dims,
-        global_strides,
-        box_dims,
-        element_strides,
-        CU_TENSOR_MAP_INTERLEAVE_NONE,
-        SWIZZLES[swizzle][0],
-        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    return driver.tensor_map_encode_tiled(
+        DTYPES[dtype][0], 2, address, dims, (outer_stride_bytes,), box, (1, 1),
+        INTERLEAVE, SWIZZLES[swizzle][0], L2_PROMOTION, OOB_FILL,
     )
-    return ctypes.string_at(aligned, TENSOR_MAP_BYTES)
