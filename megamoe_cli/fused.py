@@ -22,12 +22,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import contract
+from .contract import BLOCK_K, BLOCK_N, NUM_THREADS
 from .errors import MegaMoEError, MegaMoETimeout
 from .kernel_source import (
     ENV_EXPERIMENT,
     ENV_PROMOTION_HINTS,
     KERNEL_NAME,
-    NUM_THREADS,
     KernelConfig,
     Variant,
     experiment_defines,
@@ -58,25 +59,6 @@ _TORCH_DTYPES = {
     "bf16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
-
-_PHASES = {
-    2: "count exchange (index 0: ranks announced; index 1: CTAs of every rank arrived)",
-    3: "L1 arrival (rows pulled into the pool)",
-    4: "L2 arrival (the L1 tile that writes an L2 K block's columns; index: pool block, expected: that "
-       "K block, observed: the block's ready bits of its word)",
-    5: "combine barrier (this rank's CTAs; expected/observed: its flag)",
-    6: "combine barrier (ranks)",
-    7: "TMA/WGMMA pipeline",
-    8: "topk_idx out of range",
-    9: "too many pairs for one expert (a token repeats an expert)",
-    10: "cluster tile forward (the leader CTA's next tile)",
-    11: "L1-tile publication (the CTA's publisher warp fell behind its consumers; expected: L1 tiles it "
-        "should have taken, observed: L1 tiles it took, index: the consumers' next L1 tile)",
-    12: "L1-tile publication slot out of sequence (expected: the publisher warp's tile, observed: the slot's; "
-        "index: its ready word)",
-}
-_DIAG_MAGIC = 0x4D4F4521
-
 
 def _group_info(group) -> Tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -236,7 +218,7 @@ class SymmBuffer:
         self.peer_deltas = [int(ptr) - int(ptrs[self.rank]) for ptr in ptrs]
         # Counters start at zero once; the kernel returns them to zero after every call.
         self.buffer[: workspace_bytes(self.layout)].zero_()
-        self.diag = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+        self.diag = torch.zeros(contract.DIAGNOSTIC_RECORD_BYTES // 8, dtype=torch.int64, pin_memory=True)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             dist.barrier(group=group)
@@ -296,16 +278,7 @@ class SymmBuffer:
 
     def diagnostic(self) -> Optional[str]:
         """The kernel's failure record, if a launch on this buffer failed (readable after a trap)."""
-        raw = self.diag.numpy().tobytes()
-        magic, rank, phase, cta, thread, index = struct.unpack_from("<6I", raw, 0)
-        expected, observed = struct.unpack_from("<2Q", raw, 24)
-        if magic != _DIAG_MAGIC:
-            return None
-        what = _PHASES.get(phase, f"phase {phase}")
-        return (
-            f"megamoe kernel failed on rank {rank}: {what}; CTA {cta}, thread {thread}, index {index}: "
-            f"expected {expected}, observed {observed}"
-        )
+        return describe_failure(self.diag.numpy().tobytes())
 
 
 @dataclass(frozen=True)
@@ -345,8 +318,8 @@ def transform_weights_for_mega_moe(
         raise MegaMoEError(f"expected 3-D expert weights, got w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}")
     e, two_i, h = w1.shape
     i = two_i // 2
-    if two_i % 256 or h % 128:
-        raise MegaMoEError(f"w1 must be [E, 2*I, H] with I and H multiples of 128, got {tuple(w1.shape)}")
+    if two_i % (2 * BLOCK_K) or h % BLOCK_K:
+        raise MegaMoEError(f"w1 must be [E, 2*I, H] with I and H multiples of {BLOCK_K}, got {tuple(w1.shape)}")
     if tuple(w2.shape) != (e, h, i):
         raise MegaMoEError(f"w2 must be [E, H, I] = {(e, h, i)}, got {tuple(w2.shape)}")
     if tuple(w1_sf.shape) != (e, two_i // 128, h // 128):
@@ -362,8 +335,8 @@ def transform_weights_for_mega_moe(
             f"expert weights and scales must be on one device, got w1 on {w1.device}, w1 scales on {w1_sf.device}, "
             f"w2 on {w2.device}, w2 scales on {w2_sf.device}"
         )
-    if h % 256:
-        raise MegaMoEError(f"the fused kernel needs hidden to be a multiple of 256, got {h}")
+    if h % BLOCK_N:
+        raise MegaMoEError(f"the fused kernel needs hidden to be a multiple of {BLOCK_N}, got {h}")
     w1_t = w1.view(torch.uint8).view(e, 2, i // 8, 8, h).permute(0, 2, 1, 3, 4).reshape(e, two_i, h)
     gate_sf = w1_sf[:, : i // 128].repeat_interleave(2, dim=1)
     up_sf = w1_sf[:, i // 128 :].repeat_interleave(2, dim=1)
@@ -376,28 +349,59 @@ def transform_weights_for_mega_moe(
 
 
 def _tile(w: torch.Tensor) -> torch.Tensor:
-    """``[E, N, K]`` bytes -> ``[E, N/256, K/128, 256, 128]`` FP8 (one pipeline stage contiguous)."""
+    """``[E, N, K]`` bytes -> ``[E, N/BLOCK_N, K/BLOCK_K, BLOCK_N, BLOCK_K]`` FP8 (one pipeline stage contiguous)."""
     e, n, k = w.shape
-    tiled = w.reshape(e, n // 256, 256, k // 128, 128).permute(0, 1, 3, 2, 4).contiguous()
+    tiled = w.reshape(e, n // BLOCK_N, BLOCK_N, k // BLOCK_K, BLOCK_K).permute(0, 1, 3, 2, 4).contiguous()
     return tiled.view(torch.float8_e4m3fn)
 
 
 PROFILE_ENV = "MEGAMOE_PROFILE"
-# Slots of the profiling build's `megamoe_profile` counters (csrc/megamoe/common.cuh, ProfileSlot)
-PROFILE_SLOTS = (
-    "tile_wait", "stage_wait", "mainloop", "epilogue_l1", "epilogue_l2", "tiles_l1", "tiles_l2",
-    "producer_arrival", "producer_empty", "producer_total", "consumer_loop", "consumer_start",
-    "combine_barrier", "reduce", "consumer_total", "samplers", "dispatch_pull", "dispatch_schedule",
-    "epilogue_l1_math", "epilogue_l1_release", "mainloop_l1", "mainloop_head", "dispatch_start",
-    "dispatch_count", "dispatch_exchange", "mainloop_head_l2",
-)
+PROFILE_SLOTS = contract.PROFILE_SLOTS
+TRACE_KINDS = contract.TRACE_KINDS
 
 
-# Kinds of the profiling build's timeline events (csrc/megamoe/common.cuh, TraceKind)
-TRACE_KINDS = {
-    1: "cta_start", 2: "take", 3: "first_issue", 4: "last_issue", 5: "tile_start", 6: "tile_end",
-    7: "tiles_done", 8: "barrier_done", 9: "cta_end", 10: "schedule_done",
-}
+def describe_failure(raw: bytes) -> Optional[str]:
+    """The one-line message for a failure record (``contract.DIAGNOSTIC_FIELDS``), or None when
+    no thread completed one."""
+    record = dict(zip((name for name, _ in contract.DIAGNOSTIC_FIELDS), contract.DIAGNOSTIC.unpack_from(raw, 0)))
+    if record["magic"] != contract.DIAGNOSTIC_MAGIC:
+        return None
+    try:
+        what = contract.PHASE_TEXT[contract.Phase(record["phase"])]
+    except ValueError:
+        what = f"phase {record['phase']}"
+    return (
+        f"megamoe kernel failed on rank {record['rank']}: {what}; CTA {record['cta']}, thread {record['thread']}, "
+        f"index {record['index']}: expected {record['expected']}, observed {record['observed']}"
+    )
+
+
+def decode_profile(raw: bytes) -> Dict[str, int]:
+    """``megamoe_profile``'s words by slot name (``contract.ProfileSlot``)."""
+    return dict(zip(PROFILE_SLOTS, struct.unpack_from(f"<{len(PROFILE_SLOTS)}Q", raw, 0)))
+
+
+def decode_trace(count: int, raw: bytes) -> List[Dict[str, object]]:
+    """``megamoe_trace``'s first ``count`` events (``contract.TRACE_FIELDS``) in the order they
+    were taken: time_ns (globaltimer), clock (the SM's clock64), cta, kind (TRACE_KINDS), epoch
+    (the call), block (pool block), and for tile events layer (1 or 2), expert (local) and n
+    (N tile).  Events past the buffer's capacity become one ``dropped N`` entry."""
+    event_bytes = 8 * contract.TRACE_EVENT_WORDS
+    capacity = len(raw) // event_bytes
+    tile = {f.name: f for f in contract.TRACE_TILE_FIELDS}
+    events: List[Dict[str, object]] = []
+    for i in range(min(count, capacity)):
+        words = struct.unpack_from(f"<{contract.TRACE_EVENT_WORDS}Q", raw, event_bytes * i)
+        event = {f.name: f.get(words[f.word]) for f in contract.TRACE_FIELDS}
+        info, kind = event.pop("info"), event["kind"]
+        events.append({"time_ns": words[0], "clock": words[1], "cta": event["cta"],
+                       "kind": TRACE_KINDS.get(kind, str(kind)), "epoch": event["epoch"],
+                       "layer": 2 if tile["is_l2"].get(info) else 1, "expert": tile["expert"].get(info),
+                       "n": tile["n"].get(info), "block": event["block"]})
+    if count > capacity:
+        events.append({"time_ns": 0, "clock": 0, "cta": -1, "kind": f"dropped {count - capacity}", "epoch": 0,
+                       "layer": 0, "expert": 0, "n": 0, "block": 0})
+    return events
 
 
 def profiling_enabled() -> bool:
@@ -429,33 +433,16 @@ class _Kernel:
         self.module.zero_global("megamoe_profile")
         self.module.zero_global("megamoe_trace_count")
 
-    def read_trace(self) -> List[Dict[str, int]]:
-        """Timeline events since the last reset (synchronize first), in the order they were taken:
-        time_ns (globaltimer), clock (the SM's clock64), cta, kind (TRACE_KINDS), epoch (the call),
-        and for tile events layer (1 or 2), expert (local), n (N tile) and block (pool block)."""
+    def read_trace(self) -> List[Dict[str, object]]:
+        """Timeline events since the last reset (synchronize first): ``decode_trace``."""
         self._require_profile()
         (count,) = struct.unpack("<I", self.module.read_global("megamoe_trace_count")[:4])
-        raw = self.module.read_global("megamoe_trace")
-        capacity = len(raw) // 32
-        events = []
-        for i in range(min(count, capacity)):
-            t, clock, cta_kind, epoch_info = struct.unpack_from("<4Q", raw, 32 * i)
-            info = epoch_info & 0xFFFFFFFF
-            events.append({"time_ns": t, "clock": clock, "cta": cta_kind >> 40,
-                           "kind": TRACE_KINDS.get(cta_kind & 0xFF, str(cta_kind & 0xFF)),
-                           "epoch": epoch_info >> 32, "layer": 2 if info >> 31 else 1,
-                           "expert": (info >> 16) & 0x7FFF, "n": info & 0xFFFF, "block": (cta_kind >> 8) & 0xFFFFFFFF})
-        if count > capacity:
-            events.append({"time_ns": 0, "clock": 0, "cta": -1, "kind": f"dropped {count - capacity}", "epoch": 0,
-                           "layer": 0, "expert": 0, "n": 0, "block": 0})
-        return events
+        return decode_trace(count, self.module.read_global("megamoe_trace"))
 
     def read_profile(self) -> Dict[str, int]:
         """Counters summed over every launch since the last reset (synchronize first)."""
         self._require_profile()
-        raw = self.module.read_global("megamoe_profile")
-        values = struct.unpack(f"<{len(raw) // 8}Q", raw)
-        return dict(zip(PROFILE_SLOTS, values))
+        return decode_profile(self.module.read_global("megamoe_profile"))
 
     def _require_profile(self) -> None:
         if not self.profile:
@@ -548,16 +535,16 @@ def _tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m:
     cfg = buf.config
     s = cfg.shape
     P = cfg.num_max_pool_tokens
-    b_rows = 256 // cluster_m  # each CTA of a cluster loads its part of every B stage
+    b_rows = BLOCK_N // cluster_m  # each CTA of a cluster loads its part of every B stage
     base = buf.buffer.data_ptr()
     off = buf.layout.offsets()
     return {
-        "tmap_l1_a": encode_tensor_map_2d("u8", base + off["l1_pool"], (s.hidden, P), s.hidden, (128, block_m), "128b", name="l1_pool"),
+        "tmap_l1_a": encode_tensor_map_2d("u8", base + off["l1_pool"], (s.hidden, P), s.hidden, (BLOCK_K, block_m), "128b", name="l1_pool"),
         "tmap_l1_sfa": encode_tensor_map_2d("f32", base + off["l1_pool_sf"], (P, s.hidden // 128), P * 4, (block_m, 1), "none", name="l1_pool_sf"),
-        "tmap_l1_b": encode_tensor_map_2d("u8", l1.weight.data_ptr(), (128, l1.weight.numel() // 128), 128, (128, b_rows), "128b", name="w1"),
-        "tmap_l2_a": encode_tensor_map_2d("u8", base + off["l2_pool"], (s.intermediate, P), s.intermediate, (128, block_m), "128b", name="l2_pool"),
+        "tmap_l1_b": encode_tensor_map_2d("u8", l1.weight.data_ptr(), (BLOCK_K, l1.weight.numel() // BLOCK_K), BLOCK_K, (BLOCK_K, b_rows), "128b", name="w1"),
+        "tmap_l2_a": encode_tensor_map_2d("u8", base + off["l2_pool"], (s.intermediate, P), s.intermediate, (BLOCK_K, block_m), "128b", name="l2_pool"),
         "tmap_l2_sfa": encode_tensor_map_2d("f32", base + off["l2_pool_sf"], (P, s.intermediate // 128), P * 4, (block_m, 1), "none", name="l2_pool_sf"),
-        "tmap_l2_b": encode_tensor_map_2d("u8", l2.weight.data_ptr(), (128, l2.weight.numel() // 128), 128, (128, b_rows), "128b", name="w2"),
+        "tmap_l2_b": encode_tensor_map_2d("u8", l2.weight.data_ptr(), (BLOCK_K, l2.weight.numel() // BLOCK_K), BLOCK_K, (BLOCK_K, b_rows), "128b", name="w2"),
     }
 
 
@@ -620,11 +607,12 @@ def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelC
     if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
     _check_tensor("l1 weight", l1.weight, torch.float8_e4m3fn,
-                  (e_local, 2 * s.intermediate // 256, s.hidden // 128, 256, 128), device)
-    _check_tensor("l1 scales", l1.scale, torch.float32, (e_local, 2 * s.intermediate // 128, s.hidden // 128, 2), device)
+                  (e_local, 2 * s.intermediate // BLOCK_N, s.hidden // BLOCK_K, BLOCK_N, BLOCK_K), device)
+    _check_tensor("l1 scales", l1.scale, torch.float32,
+                  (e_local, 2 * s.intermediate // BLOCK_K, s.hidden // BLOCK_K, 2), device)
     _check_tensor("l2 weight", l2.weight, torch.float8_e4m3fn,
-                  (e_local, s.hidden // 256, s.intermediate // 128, 256, 128), device)
-    _check_tensor("l2 scales", l2.scale, torch.float32, (e_local, s.hidden // 128, s.intermediate // 128), device)
+                  (e_local, s.hidden // BLOCK_N, s.intermediate // BLOCK_K, BLOCK_N, BLOCK_K), device)
+    _check_tensor("l2 scales", l2.scale, torch.float32, (e_local, s.hidden // BLOCK_K, s.intermediate // BLOCK_K), device)
     kernel = get_kernel(variant, device)
     tail = launch_tail(buf, l1, l2)
     params = bytes(pack_params(_tensor_maps(buf, l1, l2, cfg.block_m, config.cluster_m), buf.buffer.data_ptr(),

@@ -14,17 +14,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
 
+from . import contract
+from .contract import BLOCK_N, MAX_RANKS, MAX_TOPK, check_block_m
 from .errors import MegaMoEError
 from .layout import SEGMENT_NAMES, BufferConfig, BufferLayout, MoEShape
 
-MAX_RANKS = 8
-BLOCK_N = 256
-SUPPORTED_BLOCK_M = (64, 128)
+SUPPORTED_BLOCK_M = contract.SUPPORTED_BLOCK_M
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4, 5)
 SUPPORTED_CLUSTER_M = (1, 2)
 KERNEL_NAME = "megamoe_kernel"
-NUM_THREADS = 384
 
 TMAP_FIELDS: Tuple[str, ...] = (
     "tmap_l1_a",
@@ -75,10 +74,7 @@ class KernelConfig:
     cluster_m: int = 1  # CTAs sharing each stage by multicast: B across consecutive M blocks (A for odd last blocks)
 
     def validate(self) -> None:
-        if self.block_m not in SUPPORTED_BLOCK_M:
-            raise MegaMoEError(
-                f"block_m={self.block_m} is not supported by the fused kernel; expected one of {SUPPORTED_BLOCK_M}"
-            )
+        check_block_m(self.block_m)
         if self.num_stages not in SUPPORTED_STAGES:
             raise MegaMoEError(f"num_stages={self.num_stages}; expected one of {SUPPORTED_STAGES}")
         if self.cluster_m not in SUPPORTED_CLUSTER_M:
@@ -116,8 +112,8 @@ class Variant:
             )
         if self.num_ranks > MAX_RANKS:
             raise MegaMoEError(f"the fused kernel supports at most {MAX_RANKS} ranks, got {self.num_ranks}")
-        if self.shape.num_topk > 32:
-            raise MegaMoEError(f"the fused kernel supports num_topk <= 32, got {self.shape.num_topk}")
+        if self.shape.num_topk > MAX_TOPK:
+            raise MegaMoEError(f"the fused kernel supports num_topk <= {MAX_TOPK}, got {self.shape.num_topk}")
         KernelConfig(block_m=self.block_m, num_stages=self.num_stages, cluster_m=self.cluster_m).validate()
         s = self.shape
         n_tiles = {f"L1 (2 x intermediate {s.intermediate})": 2 * s.intermediate // BLOCK_N,
@@ -279,18 +275,11 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
         "#include <cstdint>\n#include <cuda.h>\n"
         f"{head}\n\n{params_struct_source()}\n"
         f"static_assert(sizeof(Params) == {params_size()}, \"Params layout drifted from kernel_source.py\");\n\n"
+        f"{contract.contract_header()}\n"
         '#include "megamoe/kernel.cuh"\n'
     )
 
 
 def smem_bytes(variant: Variant) -> int:
-    """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
-    e_local = variant.shape.num_experts // variant.num_ranks
-    stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
-    staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
-    barriers = 16 * variant.num_stages + 16 * variant.num_stages + 16  # full/empty, stage_tile (uint4) + alignment
-    tile_slots = 8 * (variant.num_stages + 2)  # the cluster leader's tile forwards (kTileSlots)
-    schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8 + 8  # + epoch, direct
-    send_count = 4 * variant.shape.num_experts  # small calls count their pairs in shared memory
-    profile = 3 * 13 * 8  # cycle counters of profiling builds
-    return stages + staging + barriers + tile_slots + schedule + send_count + profile + 1024 + 256  # alignment slack
+    """Dynamic shared memory the variant launches with (``contract.smem_budget``)."""
+    return contract.smem_bytes(variant.shape.num_experts, variant.num_ranks, variant.block_m, variant.num_stages)

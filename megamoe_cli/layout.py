@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
+from .contract import BLOCK_N, GRID_SYNC_WORDS, GridSyncWord
 from .errors import MegaMoEError
 
 SEGMENT_ALIGN_BYTES = 1024
@@ -41,8 +42,8 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def l2_ready_words(intermediate: int) -> int:
-    """Words of L1-tile ready bits per pool block: one bit per 256-column L1 N tile (2I / 256)."""
-    return ceil_div(2 * intermediate // 256, 32)
+    """Words of L1-tile ready bits per pool block: one bit per L1 N tile (2I / BLOCK_N)."""
+    return ceil_div(2 * intermediate // BLOCK_N, 32)
 
 
 @dataclass(frozen=True)
@@ -190,17 +191,22 @@ class BufferLayout:
         }
 
 
+_W = GridSyncWord
+
 # Who writes, who reads and when each word is reset.  "local" = this rank's
 # kernel; "peer r" = rank r's kernel writing through NVLink.
 _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
     "grid_sync": (
-        "local CTAs: [0,1] a system fence, then red.relaxed.sys, also from peer r; [2] atom.add.acq_rel, "
-        "reset by the last arriver; [4] CTA 0 at the end; [5] atomic adds",
-        "local CTAs: [0,1] acquire spin; [2] the add's return value; [4] every CTA at start; [5] the adds",
-        "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
-        "adds; zeroed by the owner's cleanup phase), [2] combine-barrier arrivals (acq_rel add per "
-        "CTA; the last arriver signals the ranks, then returns it to 0), [3] unused, [4] call epoch "
-        "(grows), [5] tile counter (zeroed by the kernel's cleanup phase)",
+        f"local CTAs: [{_W.COUNT_EXCHANGE}, {_W.COUNT_EXCHANGE + 1}] a system fence, then red.relaxed.sys, also "
+        f"from peer r; [{_W.COMBINE_ARRIVALS}] atom.add.acq_rel, reset by the last arriver; [{_W.EPOCH}] CTA 0 at "
+        f"the end; [{_W.TILE_COUNTER}] atomic adds",
+        f"local CTAs: [{_W.COUNT_EXCHANGE}, {_W.COUNT_EXCHANGE + 1}] acquire spin; [{_W.COMBINE_ARRIVALS}] the "
+        f"add's return value; [{_W.EPOCH}] every CTA at start; [{_W.TILE_COUNTER}] the adds",
+        f"[{_W.COUNT_EXCHANGE}, {_W.COUNT_EXCHANGE + 1}] count_exchange: arrivals of calls with even / odd "
+        f"epoch (every CTA of every rank adds; zeroed by the owner's cleanup phase), [{_W.COMBINE_ARRIVALS}] "
+        f"combine_arrivals: the combine barrier's (acq_rel add per CTA; the last arriver signals the ranks, then "
+        f"returns it to 0), [{_W.EPOCH}] epoch: the call's (grows), [{_W.TILE_COUNTER}] tile_counter: the "
+        f"producers' next tile (zeroed by the kernel's cleanup phase); the others unused (contract.GridSyncWord)",
     ),
     "rank_flags": (
         "the last CTA of rank r to reach the combine barrier stores slot r (a system fence, then "
@@ -267,7 +273,7 @@ def build_layout(config: BufferConfig) -> BufferLayout:
     B = cfg.num_max_pool_blocks
 
     specs: List[Tuple[str, str, Tuple[int, ...]]] = [
-        ("grid_sync", "u64", (8,)),
+        ("grid_sync", "u64", (GRID_SYNC_WORDS,)),
         ("rank_flags", "u64", (R,)),
         ("expert_recv_count", "u32", (2, R, E_local)),
         ("l1_arrival", "u32", (B,)),

@@ -214,8 +214,8 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
     const Schedule& s = ss.schedule;
     const uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
     const uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
-    TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5), ss.tile_slot, cluster_rank,
-                      0};
+    TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + kGridSyncTileCounter),
+                      ss.tile_slot, cluster_rank, 0};
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
     MEGAMOE_PROF(uint64_t& prof_arrival = ss.prof[2][0]; uint64_t& prof_empty = ss.prof[2][1]; prof_arrival = prof_empty = 0;
