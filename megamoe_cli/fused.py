@@ -180,7 +180,6 @@ class SymmBuffer:
             MoEShape(hidden=hidden, intermediate=intermediate, num_experts=num_experts, num_topk=num_topk),
             block_m,
         )
-        KernelConfig(block_m=block_m).validate()
         self.layout: BufferLayout = build_layout(self.config)
         if device is None and not torch.cuda.is_available():
             raise MegaMoEError("SymmBuffer needs a CUDA device, but torch sees none")

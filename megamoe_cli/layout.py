@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
-from .contract import BLOCK_N, GRID_SYNC_WORDS, GridSyncWord
+from .contract import BLOCK_N, GRID_SYNC_WORDS, GridSyncWord, check_block_m
 from .errors import MegaMoEError
 
 SEGMENT_ALIGN_BYTES = 1024
@@ -135,8 +135,7 @@ class BufferConfig:
             raise MegaMoEError(
                 f"num_experts={self.shape.num_experts} must be divisible by num_ranks={self.num_ranks}"
             )
-        if not isinstance(self.block_m, int) or self.block_m <= 0 or self.block_m % 16 or self.block_m > 256:
-            raise MegaMoEError(f"block_m must be a multiple of 16 in [16, 256], got {self.block_m!r}")
+        check_block_m(self.block_m)
 
     @property
     def num_experts_per_rank(self) -> int:

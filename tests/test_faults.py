@@ -115,7 +115,7 @@ def test_weight_transform_takes_non_contiguous_weights_as_their_values(weights):
     "kwargs, message",
     [
         (dict(block_m=32), "block_m=32 is not supported by the fused kernel; expected one of (64, 128)"),
-        (dict(block_m=72), "block_m must be a multiple of 16 in [16, 256], got 72"),
+        (dict(block_m=72), "block_m=72 is not supported by the fused kernel; expected one of (64, 128)"),
         (dict(hidden=100), "hidden must be a multiple of 128 (the FP8 scale block), got 100"),
         (dict(num_topk=17), "num_topk must be between 1 and num_experts=16, got 17"),
         (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank must be a positive integer, got 0"),
