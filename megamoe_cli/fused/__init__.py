@@ -22,10 +22,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import contract
-from .contract import BLOCK_K, BLOCK_N, NUM_THREADS
-from .errors import MegaMoEError, MegaMoETimeout
-from .kernel_source import (
+from .. import contract
+from ..contract import BLOCK_K, BLOCK_N, NUM_THREADS
+from ..errors import MegaMoEError, MegaMoETimeout
+from ..kernel_source import (
     ENV_EXPERIMENT,
     ENV_PROMOTION_HINTS,
     KERNEL_NAME,
@@ -39,7 +39,7 @@ from .kernel_source import (
     smem_bytes,
     variant_for,
 )
-from .layout import (
+from ..layout import (
     BufferConfig,
     BufferLayout,
     MoEShape,
@@ -110,7 +110,7 @@ def _map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: 
     GPU time-slices), so correctness only.  Returns this rank's buffer, every rank's address and
     the peers' handles this rank opened (``SymmBuffer.close`` closes them).  A rank whose export
     or mapping fails tells the others, so every rank raises instead of waiting for it."""
-    from .jit import driver
+    from ..jit import driver
 
     try:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -199,7 +199,7 @@ class SymmBuffer:
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
-            from .jit import driver
+            from ..jit import driver
 
             group_obj = group if group is not None else dist.group.WORLD
             gpus: List[Optional[Tuple[str, str]]] = [None] * self.world_size
@@ -239,7 +239,7 @@ class SymmBuffer:
         if self.closed or not self.shares_gpus:
             return
         self.closed = True
-        from .jit import driver
+        from ..jit import driver
 
         error = None
         try:
@@ -412,8 +412,8 @@ class _Kernel:
     """A built, loaded variant."""
 
     def __init__(self, variant: Variant, device: torch.device):
-        from .jit import build, load_module
-        from .jit.sass import edited_cubin
+        from ..jit import build, load_module
+        from ..jit.sass import edited_cubin
 
         self.profile = profiling_enabled()
         (built,) = build([kernel_build_source(variant, self.profile)])
@@ -529,7 +529,7 @@ _FOREACH_MAX_BYTES = 16 << 20
 
 
 def _tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m: int, cluster_m: int) -> Dict[str, bytes]:
-    from .jit import encode_tensor_map_2d
+    from ..jit import encode_tensor_map_2d
 
     cfg = buf.config
     s = cfg.shape
@@ -741,7 +741,7 @@ def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: in
     Chosen from ``num_max_tokens_per_rank`` (identical on every rank), never from one rank's
     token count, so every rank picks the same variant and buffer layout.
     """
-    from .heuristics import choose_config
+    from ..heuristics import choose_config
 
     unknown = set(config) - {"block_m", "num_stages", "num_sms", "cluster_m"}
     if unknown:
