@@ -26,6 +26,8 @@ import torch
 from click.testing import CliRunner
 
 from megamoe_cli import contract, fused, tuned
+from megamoe_cli.fused import buffer as fused_buffer
+from megamoe_cli.fused import launch as fused_launch
 from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import run_bench, worker_pids
 from megamoe_cli.bench.results import append_rows, make_row, read_results
@@ -153,16 +155,16 @@ def test_fused_config_keys_are_checked_before_the_gpu_is_asked():
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "nan-ish"])
 def test_a_bad_timeout_setting_is_named(monkeypatch, value):
-    monkeypatch.setenv(fused.ENV_TIMEOUT, value)
+    monkeypatch.setenv(fused_launch.ENV_TIMEOUT, value)
     with pytest.raises(MegaMoEError, match=rf"^MEGAMOE_TIMEOUT_S must be (a number of seconds|positive), got '{value}'$"):
-        fused.timeout_ns()
+        fused_launch.timeout_ns()
 
 
 def test_timeout_setting_default_and_fractions(monkeypatch):
-    monkeypatch.delenv(fused.ENV_TIMEOUT, raising=False)
-    assert fused.timeout_ns() == 30_000_000_000
-    monkeypatch.setenv(fused.ENV_TIMEOUT, "2.5")
-    assert fused.timeout_ns() == 2_500_000_000
+    monkeypatch.delenv(fused_launch.ENV_TIMEOUT, raising=False)
+    assert fused_launch.timeout_ns() == 30_000_000_000
+    monkeypatch.setenv(fused_launch.ENV_TIMEOUT, "2.5")
+    assert fused_launch.timeout_ns() == 2_500_000_000
 
 
 # Kernel-variant limits, refused before anything compiles
@@ -228,7 +230,7 @@ def test_a_plan_starts_every_launch_parameter():
     struct but not to the plan fails here, on the CPU, not at the first GPU launch)."""
     from types import SimpleNamespace
 
-    from megamoe_cli.fused import launch_tail
+    from megamoe_cli.fused.launch import launch_tail
 
     config = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL)
     scale = torch.zeros(4)
@@ -613,21 +615,21 @@ def test_a_group_whose_gpus_lack_native_peer_atomics_is_refused_by_name():
     bus = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"]
     devices = {b: i for i, b in enumerate(bus)}
     with pytest.raises(MegaMoEError) as caught:
-        fused.check_peer_atomics(0, bus, devices.get, lambda me, peer: peer != 2)
+        fused_buffer.check_peer_atomics(0, bus, devices.get, lambda me, peer: peer != 2)
     message = str(caught.value)
     assert "rank 0 (GPU 0000:18:00.0)" in message and "rank 2's memory (GPU 0000:3a:00.0)" in message
     assert "NVLink" in message
     # Every pair supported: each peer checked once, none refused.
     asked = []
-    assert fused.check_peer_atomics(1, bus, devices.get, lambda me, peer: asked.append((me, peer)) or True) == 2
+    assert fused_buffer.check_peer_atomics(1, bus, devices.get, lambda me, peer: asked.append((me, peer)) or True) == 2
     assert asked == [(1, 0), (1, 2)]
 
 
 def test_peers_this_process_cannot_see_are_not_checked():
     bus = ["0000:18:00.0", "0000:2a:00.0"]
     only_mine = {"0000:18:00.0": 0}.get
-    assert fused.check_peer_atomics(0, bus, only_mine, lambda me, peer: False) == 0
-    assert fused.check_peer_atomics(1, bus, {}.get, lambda me, peer: False) == 0
+    assert fused_buffer.check_peer_atomics(0, bus, only_mine, lambda me, peer: False) == 0
+    assert fused_buffer.check_peer_atomics(1, bus, {}.get, lambda me, peer: False) == 0
 
 
 @pytest.mark.parametrize(

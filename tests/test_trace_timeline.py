@@ -101,7 +101,8 @@ def test_read_trace_unpacks_what_the_kernel_packs_and_names_every_kind():
     from types import SimpleNamespace
 
     from megamoe_cli.contract import TraceKind
-    from megamoe_cli.fused import TRACE_KINDS, _Kernel
+    from megamoe_cli.fused.diagnostics import TRACE_KINDS
+    from megamoe_cli.fused.launch import Kernel
 
     assert TRACE_KINDS[TraceKind.TILE_END] == "tile_end" and TRACE_KINDS[TraceKind.CTA_START] == "cta_start"
 
@@ -110,11 +111,11 @@ def test_read_trace_unpacks_what_the_kernel_packs_and_names_every_kind():
     raw = b"".join(struct.pack("<4Q", *e) for e in events) + bytes(32 * 3)
     count = struct.pack("<I", len(events))
     module = SimpleNamespace(read_global=lambda name: count if name == "megamoe_trace_count" else raw)
-    got = _Kernel.read_trace(SimpleNamespace(module=module, _require_profile=lambda: None))
+    got = Kernel.read_trace(SimpleNamespace(module=module, _require_profile=lambda: None))
     assert got[0] == {"time_ns": 123, "clock": 456, "cta": 131, "kind": "tile_end", "epoch": 9, "layer": 2,
                       "expert": 127, "n": 27, "block": 70000}
     assert got[1]["kind"] == "cta_start" and got[1]["cta"] == 0 and got[1]["layer"] == 1
     # More events counted than the buffer holds: the overflow is reported, not hidden
     module.read_global = lambda name: struct.pack("<I", 9) if name == "megamoe_trace_count" else raw
-    got = _Kernel.read_trace(SimpleNamespace(module=module, _require_profile=lambda: None))
+    got = Kernel.read_trace(SimpleNamespace(module=module, _require_profile=lambda: None))
     assert got[-1]["kind"] == "dropped 4"
