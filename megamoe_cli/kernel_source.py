@@ -12,7 +12,7 @@ import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Mapping, Sequence, Tuple
 
 from . import contract
 from .contract import BLOCK_N, MAX_RANKS, MAX_TOPK, check_block_m
@@ -85,6 +85,15 @@ class KernelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, object]) -> "KernelConfig":
+        """A checked config from a knob dict (``heuristics``, the tuned store): ``num_sms`` None
+        means every SM, ``cluster_m`` None no clusters; other keys are ignored."""
+        config = cls(block_m=int(knobs["block_m"]), num_stages=int(knobs["num_stages"]),
+                     num_sms=int(knobs.get("num_sms") or 0), cluster_m=int(knobs.get("cluster_m") or 1))
+        config.validate()
+        return config
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -132,10 +141,14 @@ class Variant:
 
 
 def variant_for(config: BufferConfig, kernel: KernelConfig) -> Variant:
+    """The variant that runs ``kernel`` on a buffer laid out by ``config``.  Nothing in it depends
+    on the buffer's pool size: the kernel reads the pool capacity from the launch parameters
+    (``num_max_pool_tokens``), so one buffer serves every block_m up to its own."""
     kernel.validate()
-    if config.block_m != kernel.block_m:
+    if kernel.block_m not in config.served_block_m:
         raise MegaMoEError(
-            f"buffer was laid out for block_m={config.block_m} but the kernel config asks for {kernel.block_m}"
+            f"the buffer serves block_m {list(config.served_block_m)} (laid out for block_m up to {config.block_m}) "
+            f"but the kernel config asks for {kernel.block_m}"
         )
     v = Variant(config.shape, config.num_ranks, config.num_max_tokens_per_rank, kernel.block_m, kernel.num_stages,
                 kernel.cluster_m)

@@ -9,6 +9,11 @@ Pool capacity (worst case: every token of every rank lands on this rank, each
 expert segment padded to ``block_m``)::
 
     P = align(R * T * min(topk, E_local) + E_local * (block_m - 1), block_m)
+
+``block_m`` here is the largest pool block the buffer serves: a kernel config with any
+supported ``block_m`` up to it runs on the same buffer (a smaller block pads less, so it fits
+the same rows), and the per-block arrival counters are sized for the smallest such block, which
+makes the most blocks.  So one buffer serves decode (small blocks) and prefill (large ones).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
-from .contract import BLOCK_N, GRID_SYNC_WORDS, GridSyncWord, check_block_m
+from .contract import BLOCK_N, GRID_SYNC_WORDS, SUPPORTED_BLOCK_M, GridSyncWord, check_block_m
 from .errors import MegaMoEError
 
 SEGMENT_ALIGN_BYTES = 1024
@@ -117,12 +122,15 @@ class Segment:
 
 @dataclass(frozen=True)
 class BufferConfig:
-    """Everything that fixes the byte layout of one rank's symmetric buffer."""
+    """Everything that fixes the byte layout of one rank's symmetric buffer.
+
+    ``block_m``: the largest pool block it serves (``served_block_m``: every supported one up to
+    it); the default serves every block_m the kernel supports."""
 
     num_ranks: int
     num_max_tokens_per_rank: int
     shape: MoEShape
-    block_m: int = 64
+    block_m: int = max(SUPPORTED_BLOCK_M)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks <= 0:
@@ -151,7 +159,20 @@ class BufferConfig:
 
     @property
     def num_max_pool_blocks(self) -> int:
+        """Pool blocks of the largest block_m served."""
         return self.num_max_pool_tokens // self.block_m
+
+    @property
+    def served_block_m(self) -> Tuple[int, ...]:
+        """The kernel configs' block_m values this buffer runs."""
+        return tuple(b for b in SUPPORTED_BLOCK_M if b <= self.block_m)
+
+    @property
+    def num_arrival_blocks(self) -> int:
+        """The most pool blocks any served block_m uses (the rows of the block counters): the
+        smallest block's.  Its blocks hold at most R*T*min(topk, E_local) + E_local*(b - 1)
+        rows, which the pool padded for the largest block covers."""
+        return self.num_max_pool_tokens // min(self.served_block_m)
 
 
 @dataclass(frozen=True)
@@ -185,6 +206,8 @@ class BufferLayout:
             "num_experts_per_rank": cfg.num_experts_per_rank,
             "num_max_pool_tokens": cfg.num_max_pool_tokens,
             "num_max_pool_blocks": cfg.num_max_pool_blocks,
+            "served_block_m": list(cfg.served_block_m),
+            "num_arrival_blocks": cfg.num_arrival_blocks,
             "total_bytes": self.total_bytes,
             "segments": [seg.to_dict() for seg in self.segments],
         }
@@ -269,7 +292,7 @@ def build_layout(config: BufferConfig) -> BufferLayout:
     K = cfg.shape.num_topk
     E_local = cfg.num_experts_per_rank
     P = cfg.num_max_pool_tokens
-    B = cfg.num_max_pool_blocks
+    B = cfg.num_arrival_blocks
 
     specs: List[Tuple[str, str, Tuple[int, ...]]] = [
         ("grid_sync", "u64", (GRID_SYNC_WORDS,)),

@@ -82,8 +82,9 @@ def test_sizes_table_shows_every_segment_and_the_pool():
     for seg in layout.segments:
         assert seg.name in result.stderr
         assert f"{seg.offset:,}" in result.stderr
-    # Pool capacity by hand: 2*8192*8 + 128*63 = 139136 rows = 2174 blocks of 64.
-    assert "139,136 tokens = 2,174 blocks of 64" in result.stderr
+    # Pool capacity by hand, for the default (largest) block_m 128: 2*8192*8 + 128*127 = 147328 rows
+    # = 1151 blocks of 128.
+    assert "147,328 tokens = 1,151 blocks of 128" in result.stderr
     assert f"{layout.total_bytes:,} bytes" in result.stderr
     assert "fits H200" in result.stderr
 

@@ -204,8 +204,12 @@ def test_the_shared_memory_refusal_names_the_variant_and_its_need():
 
 def test_kernel_config_and_buffer_must_agree():
     config = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL, block_m=64)
-    with pytest.raises(MegaMoEError, match=r"^buffer was laid out for block_m=64 but the kernel config asks for 128$"):
+    with pytest.raises(MegaMoEError, match=r"^the buffer serves block_m \[64\] \(laid out for block_m up to 64\) "
+                                           r"but the kernel config asks for 128$"):
         variant_for(config, KernelConfig(block_m=128))
+    # A buffer laid out for the largest block serves the smaller one too
+    wide = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL, block_m=128)
+    assert [variant_for(wide, KernelConfig(block_m=b)).block_m for b in (64, 128)] == [64, 128]
     with pytest.raises(MegaMoEError, match=r"^num_sms must be >= 0 \(0 = all SMs\), got -1$"):
         variant_for(config, KernelConfig(block_m=64, num_sms=-1))
     v = variant_for(config, KernelConfig(block_m=64, num_stages=2))

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import MegaMoEError, MegaMoETimeout
 from ..kernel_source import ENV_EXPERIMENT, ENV_PROMOTION_HINTS, KernelConfig, experiment_defines, promotion_hints
-from ..layout import MoEShape
+from ..layout import BufferConfig, MoEShape
 from .buffer import SymmBuffer
 from .inputs import INPUT_NAMES, NO_INPUTS, check_inputs, check_tensor, copy_checked, input_addresses
 from .launch import ENV_TIMEOUT, build_plan, current_stream
@@ -37,6 +37,7 @@ __all__ = [
     "FusedBackend",
     "KernelConfig",
     "SymmBuffer",
+    "call_config",
     "mega_moe",
     "synchronize",
     "transform_weights_for_mega_moe",
@@ -54,6 +55,7 @@ def mega_moe(
     topk_idx: Optional[torch.Tensor] = None,
     topk_weights: Optional[torch.Tensor] = None,
     config: Optional[KernelConfig] = None,
+    num_tokens_bound: Optional[int] = None,
 ) -> torch.Tensor:
     """Run the fused layer for ``y.shape[0]`` tokens (this rank's count; may differ per rank, may be 0).
 
@@ -63,15 +65,23 @@ def mega_moe(
     buffer's device, given together; the kernel copies them into the buffer as its first phase
     (a view not 16-byte aligned is copied by ``buf.fill`` first instead).  Given none, the
     inputs already in the buffer's views are used (``buf.fill``).
+
+    The kernel config: ``config`` when given, else ``call_config(buf, num_tokens_bound)``, the
+    tuned or analytic config for calls of at most ``num_tokens_bound`` tokens per rank (default:
+    the buffer's capacity).  Every rank must pass the same bound (every rank then runs the same
+    kernel), and no rank more tokens than it.
     """
     if not isinstance(buf, SymmBuffer):
         raise MegaMoEError(f"mega_moe: buf must be a SymmBuffer, got {type(buf).__name__}")
     if buf.closed:
         raise MegaMoEError("mega_moe: the SymmBuffer was closed (SymmBuffer.close); make a new one")
     cfg = buf.config
-    config = config or KernelConfig(block_m=cfg.block_m)
-    if not isinstance(config, KernelConfig):
+    if config is None:
+        config = buf.call_configs.get(num_tokens_bound) or call_config(buf, num_tokens_bound)
+    elif not isinstance(config, KernelConfig):
         raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
+    elif num_tokens_bound is not None:
+        _check_bound(cfg, num_tokens_bound)
     if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
     # Plans live on the buffer (they die with it); weight addresses, shapes, strides and dtypes
@@ -90,6 +100,8 @@ def mega_moe(
         raise MegaMoEError(
             f"mega_moe: num_tokens={num_tokens} exceeds the buffer's num_max_tokens_per_rank={cfg.num_max_tokens_per_rank}"
         )
+    if num_tokens_bound is not None and num_tokens > num_tokens_bound:
+        raise MegaMoEError(f"mega_moe: num_tokens={num_tokens} exceeds num_tokens_bound={num_tokens_bound}")
     check_tensor("y", y, torch.bfloat16, (num_tokens, cfg.shape.hidden), buf.device)
     given = (x, x_sf, topk_idx, topk_weights)
     addresses = NO_INPUTS
@@ -106,6 +118,43 @@ def mega_moe(
             addresses = NO_INPUTS
     plan.launch(y, num_tokens, current_stream(buf.device), addresses)
     return y
+
+
+def _check_bound(cfg: BufferConfig, num_tokens_bound: object) -> int:
+    if isinstance(num_tokens_bound, bool) or not isinstance(num_tokens_bound, int) or \
+            not 0 <= num_tokens_bound <= cfg.num_max_tokens_per_rank:
+        raise MegaMoEError(
+            f"mega_moe: num_tokens_bound must be an integer in [0, {cfg.num_max_tokens_per_rank}] (the buffer's "
+            f"num_max_tokens_per_rank), got {num_tokens_bound!r}"
+        )
+    return num_tokens_bound
+
+
+def call_config(buf: SymmBuffer, num_tokens_bound: Optional[int] = None) -> KernelConfig:
+    """The kernel config ``mega_moe`` runs for calls of at most ``num_tokens_bound`` tokens per rank
+    (None: the buffer's capacity): the tuned store's config of the bound's token bucket, else the
+    analytic default (``heuristics.config_for_bound``: the store and rules ``megamoe bench`` uses,
+    at the bucket's token count), within the block_m values the buffer serves.
+
+    Chosen once per buffer and token bucket (``buf.bucket_configs`` keeps where each came from)
+    and remembered per bound, so a call costs one dictionary lookup; a tuned store written later
+    reaches new buffers.  The first ``mega_moe`` call with a config new to the process compiles
+    (or loads) its kernel."""
+    config = buf.call_configs.get(num_tokens_bound)
+    if config is not None:
+        return config
+    from ..heuristics import config_for_bound
+    from ..tuned import token_bucket
+
+    cfg = buf.config
+    bound = cfg.num_max_tokens_per_rank if num_tokens_bound is None else _check_bound(cfg, num_tokens_bound)
+    bucket = token_bucket(bound)
+    chosen = buf.bucket_configs.get(bucket)
+    if chosen is None:
+        knobs, source = config_for_bound(cfg, bound, buf.gpu_name)
+        chosen = buf.bucket_configs[bucket] = (KernelConfig.from_knobs(knobs), source)
+    buf.call_configs[num_tokens_bound] = chosen[0]
+    return chosen[0]
 
 
 def synchronize(buf: SymmBuffer) -> None:
@@ -137,14 +186,7 @@ def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: in
     if config:
         source = "given" if set(config) >= {"block_m", "num_stages"} else f"{source}+given"
     merged = {**chosen, **{k: v for k, v in config.items() if v is not None}}
-    kernel_cfg = KernelConfig(
-        block_m=int(merged["block_m"]),
-        num_stages=int(merged["num_stages"]),
-        num_sms=int(merged.get("num_sms") or 0),
-        cluster_m=int(merged.get("cluster_m") or 1),
-    )
-    kernel_cfg.validate()
-    return kernel_cfg, source
+    return KernelConfig.from_knobs(merged), source
 
 
 class _FusedRunner:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import contract
 from ..errors import MegaMoEError
+from ..kernel_source import KernelConfig
 from ..layout import BufferConfig, BufferLayout, MoEShape, build_layout, workspace_bytes
 from .diagnostics import describe_failure
 from .inputs import copy_inputs
@@ -127,6 +128,10 @@ class SymmBuffer:
     inputs are copied into them by the kernel; otherwise the caller fills them before each call
     (``fill`` copies all four, in one launch up to 16 MiB of x, or the producing ops write into
     them directly).  Keep the object alive while kernels use it.
+
+    ``block_m``: the largest pool block it serves; the pool is padded for it, and every kernel
+    config with a supported block_m up to it runs on this buffer, so the default (the largest
+    supported) serves the configs ``mega_moe`` chooses for any token count, decode and prefill.
     """
 
     def __init__(
@@ -138,7 +143,7 @@ class SymmBuffer:
         hidden: int,
         intermediate: int,
         *,
-        block_m: int = 64,
+        block_m: int = max(contract.SUPPORTED_BLOCK_M),
         device: Optional[torch.device] = None,
     ):
         self.group = group
@@ -191,6 +196,11 @@ class SymmBuffer:
         if self.world_size > 1:
             dist.barrier(group=group)
         self.plans: Dict[tuple, "LaunchPlan"] = {}
+        # mega_moe's config choice per num_tokens_bound (None: the capacity), and per token
+        # bucket with where it came from ("tuned" or "default"): fused.call_config
+        self.gpu_name = torch.cuda.get_device_name(self.device)
+        self.call_configs: Dict[Optional[int], KernelConfig] = {}
+        self.bucket_configs: Dict[int, Tuple[KernelConfig, str]] = {}
         self.x = self.view("x")
         self.x_sf = self.view("x_sf")
         self.topk_idx = self.view("topk_idx")

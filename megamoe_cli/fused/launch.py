@@ -160,7 +160,7 @@ def build_plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: Ke
     check_weights(cfg, l1, l2, device)
     kernel = get_kernel(variant, device)
     tail = launch_tail(buf, l1, l2)
-    params = bytes(pack_params(tensor_maps(buf, l1, l2, cfg.block_m, config.cluster_m), buf.buffer.data_ptr(),
+    params = bytes(pack_params(tensor_maps(buf, l1, l2, config.block_m, config.cluster_m), buf.buffer.data_ptr(),
                                buf.peer_deltas, buf.layout, tail))
     # A persistent grid: every CTA must be resident at once (the kernel's exchange and combine barrier wait for all).
     num_sms = config.num_sms or torch.cuda.get_device_properties(device).multi_processor_count
