@@ -12,9 +12,10 @@ import os
 from typing import Optional, Tuple
 
 from . import tuned
+from .contract import check_block_m
 from .gpus import gpu_spec
 from .kernel_source import FP4_CONFIGS, MAX_SMEM_BYTES, SUPPORTED_BLOCK_M, SUPPORTED_STAGES, Variant, smem_bytes
-from .layout import MoEShape
+from .layout import BufferConfig, MoEShape
 
 DEFAULT_KNOBS = {
     # Rows per pool block (the GEMM's M tile); see _block_m().
@@ -33,7 +34,7 @@ def expected_tokens_per_expert(shape: MoEShape, world_size: int, num_tokens_per_
     return world_size * num_tokens_per_rank * shape.num_topk / shape.num_experts
 
 
-def _block_m(expected_rows: float) -> int:
+def _block_m(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BLOCK_M) -> int:
     """The smallest block only while half of it holds an expert's expected rows; otherwise the
     smallest larger block that holds them, else the largest.
 
@@ -45,13 +46,13 @@ def _block_m(expected_rows: float) -> int:
     64 rows 3443-3500 vs 3034-3052 us, 128 rows 4761-4861 vs 4078-4240 us); prefill-sized calls
     (8 ranks x 8192 tokens: 2048 rows per expert) want the largest block.
     """
-    smallest = SUPPORTED_BLOCK_M[0]
+    smallest = supported[0]
     if expected_rows <= smallest / 2:
         return smallest
-    for block_m in SUPPORTED_BLOCK_M[1:]:
+    for block_m in supported[1:]:
         if expected_rows <= block_m:
             return block_m
-    return SUPPORTED_BLOCK_M[-1]
+    return supported[-1]
 
 
 # Deeper than this measured no faster (one H200, DeepSeek-V3, 64 tokens: 5 stages of block_m 64
@@ -72,11 +73,16 @@ def _num_stages(shape: MoEShape, world_size: int, block_m: int) -> int:
     return min(SUPPORTED_STAGES)
 
 
-def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, gpu: str) -> dict:
-    """The analytic config for one call shape on one GPU model (no measurement)."""
+def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, gpu: str,
+                   max_block_m: Optional[int] = None) -> dict:
+    """The analytic config for one call shape on one GPU model (no measurement); ``max_block_m``
+    limits the block_m it may choose (a buffer's largest)."""
     gpu_spec(gpu)  # an unknown GPU name is an error here, not a silent default
     config = dict(DEFAULT_KNOBS)
-    config["block_m"] = _block_m(expected_tokens_per_expert(shape, world_size, num_tokens_per_rank))
+    if max_block_m is not None:
+        check_block_m(max_block_m)
+    supported = tuple(b for b in SUPPORTED_BLOCK_M if max_block_m is None or b <= max_block_m)
+    config["block_m"] = _block_m(expected_tokens_per_expert(shape, world_size, num_tokens_per_rank), supported)
     if shape.weights == "fp4":  # the MXFP4 kernel's one (block_m, cluster_m)
         config["block_m"], config["cluster_m"] = FP4_CONFIGS[0]
     config["num_stages"] = _num_stages(shape, world_size, config["block_m"])
@@ -90,12 +96,24 @@ def choose_config(
     gpu: str,
     dtype: str = tuned.DEFAULT_DTYPE,
     path: Optional[os.PathLike] = None,
+    max_block_m: Optional[int] = None,
 ) -> Tuple[dict, str]:
     """``(config, source)``: the tuned config of this exact token bucket (source ``"tuned"``),
-    else the analytic default (source ``"default"``)."""
-    config = default_config(shape, world_size, num_tokens_per_rank, gpu)
+    else the analytic default (source ``"default"``).  With ``max_block_m`` (a buffer's largest),
+    a tuned config with a larger block_m does not apply and the default chooses within it."""
+    config = default_config(shape, world_size, num_tokens_per_rank, gpu, max_block_m)
     key = tuned.make_key(gpu, world_size, shape, num_tokens_per_rank, dtype)
     found = tuned.lookup(key, path)
-    if found is None:
+    if found is None or (max_block_m is not None and found.get("block_m", config["block_m"]) > max_block_m):
         return config, "default"
     return {**config, **found}, "tuned"
+
+
+def config_for_bound(buffer: BufferConfig, num_tokens_bound: int, gpu: str,
+                     path: Optional[os.PathLike] = None) -> Tuple[dict, str]:
+    """``(config, source)`` for calls of at most ``num_tokens_bound`` tokens per rank on a buffer
+    laid out by ``buffer``: ``choose_config`` at the bound's token bucket (the next power of two,
+    the tuned store's key; at most the buffer's capacity), within the block_m the buffer serves.
+    Every bound of one bucket gets the same config, so a caller may cache it per bucket."""
+    tokens = min(tuned.token_bucket(num_tokens_bound), buffer.num_max_tokens_per_rank)
+    return choose_config(buffer.shape, buffer.num_ranks, tokens, gpu, path=path, max_block_m=buffer.block_m)

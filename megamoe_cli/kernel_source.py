@@ -12,25 +12,22 @@ import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Mapping, Sequence, Tuple
 
+from . import contract
+from .contract import BLOCK_N, MAX_RANKS, MAX_TOPK, check_block_m
 from .errors import MegaMoEError
 from .layout import SEGMENT_NAMES, BufferConfig, BufferLayout, MoEShape
 
-MAX_RANKS = 8
-BLOCK_N = 256
-SUPPORTED_BLOCK_M = (64, 128)
+SUPPORTED_BLOCK_M = contract.SUPPORTED_BLOCK_M
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4, 5)
 SUPPORTED_CLUSTER_M = (1, 2)
 # MXFP4 weights: each consumer warpgroup expands the 128 B rows it reads (csrc gemm.cuh fp4_expand),
 # so both warpgroups must own column halves, which block_m 64 without clusters gives
 FP4_CONFIGS = ((64, 1),)
-# One MXFP4 weight stage as megamoe_cli/weight_layout.py stores it: 256 rows of 128 K as 64 bytes of
-# e2m1 codes, then the rows' four 32-wide runs' scale indices
-FP4_STAGE_BYTES = BLOCK_N * (128 // 2 + 128 // 32)
+FP4_STAGE_BYTES = contract.FP4_STAGE_BYTES
 KERNEL_NAME = "megamoe_kernel"
-NUM_THREADS = 384
 
 TMAP_FIELDS: Tuple[str, ...] = (
     "tmap_l1_a",
@@ -83,10 +80,7 @@ class KernelConfig:
     cluster_m: int = 1  # CTAs sharing each stage by multicast: B across consecutive M blocks (A for odd last blocks)
 
     def validate(self) -> None:
-        if self.block_m not in SUPPORTED_BLOCK_M:
-            raise MegaMoEError(
-                f"block_m={self.block_m} is not supported by the fused kernel; expected one of {SUPPORTED_BLOCK_M}"
-            )
+        check_block_m(self.block_m)
         if self.num_stages not in SUPPORTED_STAGES:
             raise MegaMoEError(f"num_stages={self.num_stages}; expected one of {SUPPORTED_STAGES}")
         if self.cluster_m not in SUPPORTED_CLUSTER_M:
@@ -96,6 +90,15 @@ class KernelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, object]) -> "KernelConfig":
+        """A checked config from a knob dict (``heuristics``, the tuned store): ``num_sms`` None
+        means every SM, ``cluster_m`` None no clusters; other keys are ignored."""
+        config = cls(block_m=int(knobs["block_m"]), num_stages=int(knobs["num_stages"]),
+                     num_sms=int(knobs.get("num_sms") or 0), cluster_m=int(knobs.get("cluster_m") or 1))
+        config.validate()
+        return config
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,8 @@ class Variant:
             )
         if self.num_ranks > MAX_RANKS:
             raise MegaMoEError(f"the fused kernel supports at most {MAX_RANKS} ranks, got {self.num_ranks}")
-        if self.shape.num_topk > 32:
-            raise MegaMoEError(f"the fused kernel supports num_topk <= 32, got {self.shape.num_topk}")
+        if self.shape.num_topk > MAX_TOPK:
+            raise MegaMoEError(f"the fused kernel supports num_topk <= {MAX_TOPK}, got {self.shape.num_topk}")
         KernelConfig(block_m=self.block_m, num_stages=self.num_stages, cluster_m=self.cluster_m).validate()
         s = self.shape
         if s.weights == "fp4" and (self.block_m, self.cluster_m) not in FP4_CONFIGS:
@@ -151,10 +154,14 @@ class Variant:
 
 
 def variant_for(config: BufferConfig, kernel: KernelConfig) -> Variant:
+    """The variant that runs ``kernel`` on a buffer laid out by ``config``.  Nothing in it depends
+    on the buffer's pool size: the kernel reads the pool capacity from the launch parameters
+    (``num_max_pool_tokens``), so one buffer serves every block_m up to its own."""
     kernel.validate()
-    if config.block_m != kernel.block_m:
+    if kernel.block_m not in config.served_block_m:
         raise MegaMoEError(
-            f"buffer was laid out for block_m={config.block_m} but the kernel config asks for {kernel.block_m}"
+            f"the buffer serves block_m {list(config.served_block_m)} (laid out for block_m up to {config.block_m}) "
+            f"but the kernel config asks for {kernel.block_m}"
         )
     v = Variant(config.shape, config.num_ranks, config.num_max_tokens_per_rank, kernel.block_m, kernel.num_stages,
                 kernel.cluster_m)
@@ -298,23 +305,12 @@ def generate_source(variant: Variant, profile: bool = False) -> str:
         "#include <cstdint>\n#include <cuda.h>\n"
         f"{head}\n\n{params_struct_source()}\n"
         f"static_assert(sizeof(Params) == {params_size()}, \"Params layout drifted from kernel_source.py\");\n\n"
+        f"{contract.contract_header()}\n"
         '#include "megamoe/kernel.cuh"\n'
     )
 
 
 def smem_bytes(variant: Variant) -> int:
-    """Dynamic shared memory the kernel asks for (a conservative bound; see SharedStorage)."""
-    e_local = variant.shape.num_experts // variant.num_ranks
-    if variant.shape.weights == "fp4":
-        # A, the MXFP4 stage as stored, A scales, B scales per stage; two e4m3 B tiles; the table
-        stages = variant.num_stages * (variant.block_m * 128 + FP4_STAGE_BYTES + variant.block_m * 4 + 16)
-        stages += 2 * BLOCK_N * 128 + 1024
-    else:
-        stages = variant.num_stages * (variant.block_m * 128 + BLOCK_N * 128 + variant.block_m * 4 + 16)  # + B scales
-    staging = 2 * 64 * 4  # per-row amax exchange of the L1 epilogue (both epilogues store from registers)
-    barriers = 16 * variant.num_stages + 16 * variant.num_stages + 16  # full/empty, stage_tile (uint4) + alignment
-    tile_slots = 8 * (variant.num_stages + 2)  # the cluster leader's tile forwards (kTileSlots)
-    schedule = 4 * (e_local + 2 * (e_local + 1) + e_local * (variant.num_ranks + 1)) + 8 + 8  # + epoch, direct
-    send_count = 4 * variant.shape.num_experts  # small calls count their pairs in shared memory
-    profile = 3 * 13 * 8  # cycle counters of profiling builds
-    return stages + staging + barriers + tile_slots + schedule + send_count + profile + 1024 + 256  # alignment slack
+    """Dynamic shared memory the variant launches with (``contract.smem_budget``)."""
+    return contract.smem_bytes(variant.shape.num_experts, variant.num_ranks, variant.block_m, variant.num_stages,
+                               variant.shape.weights)

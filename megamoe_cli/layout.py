@@ -9,6 +9,11 @@ Pool capacity (worst case: every token of every rank lands on this rank, each
 expert segment padded to ``block_m``)::
 
     P = align(R * T * min(topk, E_local) + E_local * (block_m - 1), block_m)
+
+``block_m`` here is the largest pool block the buffer serves: a kernel config with any
+supported ``block_m`` up to it runs on the same buffer (a smaller block pads less, so it fits
+the same rows), and the per-block arrival counters are sized for the smallest such block, which
+makes the most blocks.  So one buffer serves decode (small blocks) and prefill (large ones).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
+from .contract import BLOCK_N, GRID_SYNC_WORDS, SUPPORTED_BLOCK_M, GridSyncWord, check_block_m
 from .errors import MegaMoEError
 
 SEGMENT_ALIGN_BYTES = 1024
@@ -41,8 +47,8 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def l2_ready_words(intermediate: int) -> int:
-    """Words of L1-tile ready bits per pool block: one bit per 256-column L1 N tile (2I / 256)."""
-    return ceil_div(2 * intermediate // 256, 32)
+    """Words of L1-tile ready bits per pool block: one bit per L1 N tile (2I / BLOCK_N)."""
+    return ceil_div(2 * intermediate // BLOCK_N, 32)
 
 
 WEIGHT_FORMATS = ("fp8", "fp4")
@@ -134,12 +140,15 @@ class Segment:
 
 @dataclass(frozen=True)
 class BufferConfig:
-    """Everything that fixes the byte layout of one rank's symmetric buffer."""
+    """Everything that fixes the byte layout of one rank's symmetric buffer.
+
+    ``block_m``: the largest pool block it serves (``served_block_m``: every supported one up to
+    it); the default serves every block_m the kernel supports."""
 
     num_ranks: int
     num_max_tokens_per_rank: int
     shape: MoEShape
-    block_m: int = 64
+    block_m: int = max(SUPPORTED_BLOCK_M)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks <= 0:
@@ -152,8 +161,7 @@ class BufferConfig:
             raise MegaMoEError(
                 f"num_experts={self.shape.num_experts} must be divisible by num_ranks={self.num_ranks}"
             )
-        if not isinstance(self.block_m, int) or self.block_m <= 0 or self.block_m % 16 or self.block_m > 256:
-            raise MegaMoEError(f"block_m must be a multiple of 16 in [16, 256], got {self.block_m!r}")
+        check_block_m(self.block_m)
 
     @property
     def num_experts_per_rank(self) -> int:
@@ -169,7 +177,20 @@ class BufferConfig:
 
     @property
     def num_max_pool_blocks(self) -> int:
+        """Pool blocks of the largest block_m served."""
         return self.num_max_pool_tokens // self.block_m
+
+    @property
+    def served_block_m(self) -> Tuple[int, ...]:
+        """The kernel configs' block_m values this buffer runs."""
+        return tuple(b for b in SUPPORTED_BLOCK_M if b <= self.block_m)
+
+    @property
+    def num_arrival_blocks(self) -> int:
+        """The most pool blocks any served block_m uses (the rows of the block counters): the
+        smallest block's.  Its blocks hold at most R*T*min(topk, E_local) + E_local*(b - 1)
+        rows, which the pool padded for the largest block covers."""
+        return self.num_max_pool_tokens // min(self.served_block_m)
 
 
 @dataclass(frozen=True)
@@ -203,22 +224,29 @@ class BufferLayout:
             "num_experts_per_rank": cfg.num_experts_per_rank,
             "num_max_pool_tokens": cfg.num_max_pool_tokens,
             "num_max_pool_blocks": cfg.num_max_pool_blocks,
+            "served_block_m": list(cfg.served_block_m),
+            "num_arrival_blocks": cfg.num_arrival_blocks,
             "total_bytes": self.total_bytes,
             "segments": [seg.to_dict() for seg in self.segments],
         }
 
 
+_W = GridSyncWord
+
 # Who writes, who reads and when each word is reset.  "local" = this rank's
 # kernel; "peer r" = rank r's kernel writing through NVLink.
 _SEGMENT_DOCS: Dict[str, Tuple[str, str, str]] = {
     "grid_sync": (
-        "local CTAs: [0,1] a system fence, then red.relaxed.sys, also from peer r; [2] atom.add.acq_rel, "
-        "reset by the last arriver; [4] CTA 0 at the end; [5] atomic adds",
-        "local CTAs: [0,1] acquire spin; [2] the add's return value; [4] every CTA at start; [5] the adds",
-        "[0,1] count-exchange arrivals of calls with even / odd epoch (every CTA of every rank "
-        "adds; zeroed by the owner's cleanup phase), [2] combine-barrier arrivals (acq_rel add per "
-        "CTA; the last arriver signals the ranks, then returns it to 0), [3] unused, [4] call epoch "
-        "(grows), [5] tile counter (zeroed by the kernel's cleanup phase)",
+        f"local CTAs: [{_W.COUNT_EXCHANGE}, {_W.COUNT_EXCHANGE + 1}] a system fence, then red.relaxed.sys, also "
+        f"from peer r; [{_W.COMBINE_ARRIVALS}] atom.add.acq_rel, reset by the last arriver; [{_W.EPOCH}] CTA 0 at "
+        f"the end; [{_W.TILE_COUNTER}] atomic adds",
+        f"local CTAs: [{_W.COUNT_EXCHANGE}, {_W.COUNT_EXCHANGE + 1}] acquire spin; [{_W.COMBINE_ARRIVALS}] the "
+        f"add's return value; [{_W.EPOCH}] every CTA at start; [{_W.TILE_COUNTER}] the adds",
+        f"[{_W.COUNT_EXCHANGE}, {_W.COUNT_EXCHANGE + 1}] count_exchange: arrivals of calls with even / odd "
+        f"epoch (every CTA of every rank adds; zeroed by the owner's cleanup phase), [{_W.COMBINE_ARRIVALS}] "
+        f"combine_arrivals: the combine barrier's (acq_rel add per CTA; the last arriver signals the ranks, then "
+        f"returns it to 0), [{_W.EPOCH}] epoch: the call's (grows), [{_W.TILE_COUNTER}] tile_counter: the "
+        f"producers' next tile (zeroed by the kernel's cleanup phase); the others unused (contract.GridSyncWord)",
     ),
     "rank_flags": (
         "the last CTA of rank r to reach the combine barrier stores slot r (a system fence, then "
@@ -282,10 +310,10 @@ def build_layout(config: BufferConfig) -> BufferLayout:
     K = cfg.shape.num_topk
     E_local = cfg.num_experts_per_rank
     P = cfg.num_max_pool_tokens
-    B = cfg.num_max_pool_blocks
+    B = cfg.num_arrival_blocks
 
     specs: List[Tuple[str, str, Tuple[int, ...]]] = [
-        ("grid_sync", "u64", (8,)),
+        ("grid_sync", "u64", (GRID_SYNC_WORDS,)),
         ("rank_flags", "u64", (R,)),
         ("expert_recv_count", "u32", (2, R, E_local)),
         ("l1_arrival", "u32", (B,)),

@@ -252,7 +252,7 @@ def profile_call(runner, calls: int = 1, call=None) -> tuple:
     """(cycle counters summed over ``calls`` kernel calls back to back, their timeline events) from
     the variant built with MEGAMOE_PROFILE=1; print_profile divides the counters by the warpgroups
     sampled, so it shows per-call means."""
-    from megamoe_cli.fused import get_kernel
+    from megamoe_cli.fused.launch import get_kernel
     from megamoe_cli.kernel_source import variant_for
 
     kernel = get_kernel(variant_for(runner.buf.config, runner.kernel_cfg), runner.buf.device)

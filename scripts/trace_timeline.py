@@ -1,6 +1,6 @@
 """Timeline of one fused call from the profiling build's trace (``profile_fused.py --trace DIR``).
 
-Events come from ``_Kernel.read_trace`` (csrc/megamoe/common.cuh, TraceKind).  Times are put on
+Events come from ``fused.launch.Kernel.read_trace`` (csrc/megamoe/common.cuh, TraceKind).  Times are put on
 one axis per GPU: each CTA's clock64 readings, scaled by the clock rate that the globaltimer
 gives over the whole call and shifted so that they agree with its globaltimer readings on
 average (the globaltimer alone may tick in microseconds).

@@ -82,8 +82,9 @@ def test_sizes_table_shows_every_segment_and_the_pool():
     for seg in layout.segments:
         assert seg.name in result.stderr
         assert f"{seg.offset:,}" in result.stderr
-    # Pool capacity by hand: 2*8192*8 + 128*63 = 139136 rows = 2174 blocks of 64.
-    assert "139,136 tokens = 2,174 blocks of 64" in result.stderr
+    # Pool capacity by hand, for the default (largest) block_m 128: 2*8192*8 + 128*127 = 147328 rows
+    # = 1151 blocks of 128.
+    assert "147,328 tokens = 1,151 blocks of 128" in result.stderr
     assert f"{layout.total_bytes:,} bytes" in result.stderr
     assert "fits H200" in result.stderr
 
@@ -110,13 +111,13 @@ def test_sizes_json_equals_layout():
 
 def test_sizes_flags_override_preset():
     result = run("sizes", "--preset", "small", "--ranks", "4", "--tokens", "32", "--experts", "16",
-                 "--topk", "4", "--hidden", "1024", "--block-m", "32", "--json")
+                 "--topk", "4", "--hidden", "1024", "--block-m", "128", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert (data["hidden"], data["intermediate"], data["num_experts"], data["num_topk"]) == (1024, 256, 16, 4)
-    assert data["block_m"] == 32
-    # E_local = 4, min(topk, E_local) = 4: 4*32*4 + 4*31 = 636 -> align 32 = 640.
-    assert data["num_max_pool_tokens"] == 640
+    assert data["block_m"] == 128
+    # E_local = 4, min(topk, E_local) = 4: 4*32*4 + 4*127 = 1020 -> align 128 = 1024.
+    assert data["num_max_pool_tokens"] == 1024
 
 
 def test_sizes_reports_when_the_buffer_does_not_fit():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megamoe_cli import fused
+from megamoe_cli.fused import launch
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.kernel_source import KernelConfig
 from megamoe_cli.layout import BufferConfig, build_layout, preset
@@ -46,7 +47,7 @@ def cpu_buffer():
     buf.buffer = torch.zeros(buf.layout.total_bytes, dtype=torch.uint8)
     buf.handle, buf.shares_gpus, buf._ipc_opened, buf.closed = None, False, [], False
     buf.plans = {}
-    buf.inputs = tuple(buf.view(name) for name in fused._INPUTS)
+    buf.inputs = tuple(buf.view(name) for name in fused.INPUT_NAMES)
     buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights = buf.inputs
     buf.input_ptrs = tuple(v.data_ptr() for v in buf.inputs)
     buf.span = (buf.buffer.data_ptr(), buf.buffer.data_ptr() + buf.nbytes)
@@ -81,12 +82,12 @@ def plans(monkeypatch):
     built = []
 
     def plan(buf, l1, l2, config):
-        built.append(fused._LaunchPlan(Kernel(), (1, 1, 1), (1, 1, 1), bytes(128), Y_OFFSET, NUM_TOKENS_OFFSET,
+        built.append(launch.LaunchPlan(Kernel(), (1, 1, 1), (1, 1, 1), bytes(128), Y_OFFSET, NUM_TOKENS_OFFSET,
                                        INPUTS_OFFSET))
         return built[-1]
 
-    monkeypatch.setattr(fused, "_plan", plan)
-    monkeypatch.setattr(fused, "_current_stream", lambda device: 0x5EED)
+    monkeypatch.setattr(fused, "build_plan", plan)
+    monkeypatch.setattr(fused, "current_stream", lambda device: 0x5EED)
     return built
 
 

@@ -25,7 +25,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from megamoe_cli import fused, tuned
+from megamoe_cli import contract, fused, tuned
+from megamoe_cli.fused import buffer as fused_buffer
+from megamoe_cli.fused import launch as fused_launch
 from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import run_bench, worker_pids
 from megamoe_cli.bench.results import append_rows, make_row, read_results
@@ -115,7 +117,7 @@ def test_weight_transform_takes_non_contiguous_weights_as_their_values(weights):
     "kwargs, message",
     [
         (dict(block_m=32), "block_m=32 is not supported by the fused kernel; expected one of (64, 128)"),
-        (dict(block_m=72), "block_m must be a multiple of 16 in [16, 256], got 72"),
+        (dict(block_m=72), "block_m=72 is not supported by the fused kernel; expected one of (64, 128)"),
         (dict(hidden=100), "hidden must be a multiple of 128 (the FP8 scale block), got 100"),
         (dict(num_topk=17), "num_topk must be between 1 and num_experts=16, got 17"),
         (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank must be a positive integer, got 0"),
@@ -153,16 +155,16 @@ def test_fused_config_keys_are_checked_before_the_gpu_is_asked():
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "nan-ish"])
 def test_a_bad_timeout_setting_is_named(monkeypatch, value):
-    monkeypatch.setenv(fused.ENV_TIMEOUT, value)
+    monkeypatch.setenv(fused_launch.ENV_TIMEOUT, value)
     with pytest.raises(MegaMoEError, match=rf"^MEGAMOE_TIMEOUT_S must be (a number of seconds|positive), got '{value}'$"):
-        fused.timeout_ns()
+        fused_launch.timeout_ns()
 
 
 def test_timeout_setting_default_and_fractions(monkeypatch):
-    monkeypatch.delenv(fused.ENV_TIMEOUT, raising=False)
-    assert fused.timeout_ns() == 30_000_000_000
-    monkeypatch.setenv(fused.ENV_TIMEOUT, "2.5")
-    assert fused.timeout_ns() == 2_500_000_000
+    monkeypatch.delenv(fused_launch.ENV_TIMEOUT, raising=False)
+    assert fused_launch.timeout_ns() == 30_000_000_000
+    monkeypatch.setenv(fused_launch.ENV_TIMEOUT, "2.5")
+    assert fused_launch.timeout_ns() == 2_500_000_000
 
 
 # Kernel-variant limits, refused before anything compiles
@@ -202,8 +204,12 @@ def test_the_shared_memory_refusal_names_the_variant_and_its_need():
 
 def test_kernel_config_and_buffer_must_agree():
     config = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL, block_m=64)
-    with pytest.raises(MegaMoEError, match=r"^buffer was laid out for block_m=64 but the kernel config asks for 128$"):
+    with pytest.raises(MegaMoEError, match=r"^the buffer serves block_m \[64\] \(laid out for block_m up to 64\) "
+                                           r"but the kernel config asks for 128$"):
         variant_for(config, KernelConfig(block_m=128))
+    # A buffer laid out for the largest block serves the smaller one too
+    wide = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL, block_m=128)
+    assert [variant_for(wide, KernelConfig(block_m=b)).block_m for b in (64, 128)] == [64, 128]
     with pytest.raises(MegaMoEError, match=r"^num_sms must be >= 0 \(0 = all SMs\), got -1$"):
         variant_for(config, KernelConfig(block_m=64, num_sms=-1))
     v = variant_for(config, KernelConfig(block_m=64, num_stages=2))
@@ -228,7 +234,7 @@ def test_a_plan_starts_every_launch_parameter():
     struct but not to the plan fails here, on the CPU, not at the first GPU launch)."""
     from types import SimpleNamespace
 
-    from megamoe_cli.fused import launch_tail
+    from megamoe_cli.fused.launch import launch_tail
 
     config = BufferConfig(num_ranks=2, num_max_tokens_per_rank=64, shape=SMALL)
     scale = torch.zeros(4)
@@ -250,28 +256,17 @@ def test_a_plan_starts_every_launch_parameter():
 # The kernel's failure record: what the device writes is what the host reads
 
 
-COMMON_CUH = REPO / "csrc" / "megamoe" / "common.cuh"
+def test_the_decoder_reads_the_record_as_the_kernel_lays_it_out():
+    """The C++ struct's offsets are static_asserts of the generated contract (tests/test_contract.py);
+    here the decoder's view of the same bytes, written out by hand."""
+    assert [name for name, _ in contract.DIAGNOSTIC_FIELDS] == [
+        "magic", "rank", "phase", "cta", "thread", "index", "expected", "observed"]
+    assert contract.DIAGNOSTIC.format == "<IIIIIIQQ" and contract.DIAGNOSTIC.size == 40
+    assert contract.DIAGNOSTIC.size <= contract.DIAGNOSTIC_RECORD_BYTES
+    assert set(contract.PHASE_TEXT) == set(contract.Phase)
 
 
-def test_every_phase_the_kernel_can_report_has_a_name():
-    text = COMMON_CUH.read_text()
-    enum = re.search(r"enum Phase : uint32_t \{(.*?)\};", text, re.DOTALL).group(1)
-    phases = {int(value) for value in re.findall(r"kPhase\w+ = (\d+)", enum)}
-    assert phases and phases == set(fused._PHASES)
-
-
-def test_the_failure_record_layout_matches_the_decoder():
-    text = COMMON_CUH.read_text()
-    body = re.search(r"struct Diagnostic \{(.*?)\};", text, re.DOTALL).group(1)
-    fields = re.findall(r"(uint32_t|uint64_t) (\w+);", body)
-    assert fields == [("uint32_t", name) for name in ("magic", "rank", "phase", "cta", "thread", "index")] + [
-        ("uint64_t", "expected"), ("uint64_t", "observed")]
-    magic = int(re.search(r"kDiagMagic = (0x[0-9a-fA-F]+)u;", text).group(1), 16)
-    assert magic == fused._DIAG_MAGIC
-    assert struct.calcsize("<6I2Q") <= 8 * 8  # SymmBuffer.diag holds 8 int64 words
-
-
-def failed_buffer(magic=fused._DIAG_MAGIC, rank=1, phase=8, cta=3, thread=53, index=21, expected=16, observed=1000):
+def failed_buffer(magic=contract.DIAGNOSTIC_MAGIC, rank=1, phase=8, cta=3, thread=53, index=21, expected=16, observed=1000):
     """A SymmBuffer stand-in whose failure record holds what a trapping kernel wrote."""
     buf = object.__new__(fused.SymmBuffer)
     buf.device = torch.device("cpu")
@@ -624,21 +619,21 @@ def test_a_group_whose_gpus_lack_native_peer_atomics_is_refused_by_name():
     bus = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"]
     devices = {b: i for i, b in enumerate(bus)}
     with pytest.raises(MegaMoEError) as caught:
-        fused.check_peer_atomics(0, bus, devices.get, lambda me, peer: peer != 2)
+        fused_buffer.check_peer_atomics(0, bus, devices.get, lambda me, peer: peer != 2)
     message = str(caught.value)
     assert "rank 0 (GPU 0000:18:00.0)" in message and "rank 2's memory (GPU 0000:3a:00.0)" in message
     assert "NVLink" in message
     # Every pair supported: each peer checked once, none refused.
     asked = []
-    assert fused.check_peer_atomics(1, bus, devices.get, lambda me, peer: asked.append((me, peer)) or True) == 2
+    assert fused_buffer.check_peer_atomics(1, bus, devices.get, lambda me, peer: asked.append((me, peer)) or True) == 2
     assert asked == [(1, 0), (1, 2)]
 
 
 def test_peers_this_process_cannot_see_are_not_checked():
     bus = ["0000:18:00.0", "0000:2a:00.0"]
     only_mine = {"0000:18:00.0": 0}.get
-    assert fused.check_peer_atomics(0, bus, only_mine, lambda me, peer: False) == 0
-    assert fused.check_peer_atomics(1, bus, {}.get, lambda me, peer: False) == 0
+    assert fused_buffer.check_peer_atomics(0, bus, only_mine, lambda me, peer: False) == 0
+    assert fused_buffer.check_peer_atomics(1, bus, {}.get, lambda me, peer: False) == 0
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.fused import copy_inputs
+from megamoe_cli.fused.inputs import copy_inputs
 from megamoe_cli.layout import BufferConfig, MoEShape
 
 SHAPE = MoEShape(hidden=512, intermediate=256, num_experts=8, num_topk=4)
@@ -78,19 +78,19 @@ def test_x_must_be_two_dimensional():
 def test_a_large_x_is_copied_on_its_own(monkeypatch):
     """Above the multi-tensor threshold x goes through a plain copy, the rest through one
     multi-tensor launch; both paths write the same bytes."""
-    from megamoe_cli import fused
+    from megamoe_cli.fused import inputs as fused_inputs
 
     calls = []
-    real = fused._FOREACH_COPY
-    monkeypatch.setattr(fused, "_FOREACH_COPY", lambda d, s: (calls.append(len(d)), real(d, s)))
+    real = fused_inputs._FOREACH_COPY
+    monkeypatch.setattr(fused_inputs, "_FOREACH_COPY", lambda d, s: (calls.append(len(d)), real(d, s)))
     n = 5
-    monkeypatch.setattr(fused, "_FOREACH_MAX_BYTES", n * SHAPE.hidden - 1)
+    monkeypatch.setattr(fused_inputs, "_FOREACH_MAX_BYTES", n * SHAPE.hidden - 1)
     dst, src = views(), inputs(n, seed=9)
     assert copy_inputs(CFG, CPU, dst, src) == n
     assert calls == [3]
     for d, s in zip(dst, src):
         assert torch.equal(d[:n].view(torch.uint8), s.view(torch.uint8))
-    monkeypatch.setattr(fused, "_FOREACH_MAX_BYTES", n * SHAPE.hidden)
+    monkeypatch.setattr(fused_inputs, "_FOREACH_MAX_BYTES", n * SHAPE.hidden)
     assert copy_inputs(CFG, CPU, views(), src) == n
     assert calls == [3, 4]
 
@@ -126,14 +126,14 @@ def aligned(t):
 
 
 def test_the_kernel_copies_from_the_given_addresses():
-    from megamoe_cli.fused import input_addresses
+    from megamoe_cli.fused.inputs import input_addresses
 
     buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=3))
     assert input_addresses(buf, given) == tuple(t.data_ptr() for t in given)
 
 
 def test_the_buffers_own_views_are_not_copied_onto_themselves():
-    from megamoe_cli.fused import input_addresses
+    from megamoe_cli.fused.inputs import input_addresses
 
     buf = fake_buffer()
     own = (buf.x[:5], buf.x_sf[:5], buf.topk_idx[:5], buf.topk_weights[:5])
@@ -141,7 +141,7 @@ def test_the_buffers_own_views_are_not_copied_onto_themselves():
 
 
 def test_an_input_elsewhere_inside_the_buffer_is_refused():
-    from megamoe_cli.fused import input_addresses
+    from megamoe_cli.fused.inputs import input_addresses
 
     buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=4))
     with pytest.raises(MegaMoEError, match="x_sf lies inside the symmetric buffer"):
@@ -151,7 +151,7 @@ def test_an_input_elsewhere_inside_the_buffer_is_refused():
 
 
 def test_an_unaligned_input_is_left_to_the_host_copy():
-    from megamoe_cli.fused import input_addresses
+    from megamoe_cli.fused.inputs import input_addresses
 
     buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=5))
     backing = torch.empty(given[3].numel() + 4, dtype=torch.float32)

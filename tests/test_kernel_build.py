@@ -112,22 +112,7 @@ def test_cluster_variants_compile_without_spills_at_every_rank_count(tmp_path, m
         assert not kernel.report.serialized_wgmma, f"{v.name}: {kernel.report.serialized_wgmma}"
 
 
-def test_the_profiling_build_compiles_and_its_counter_names_match_the_kernels_slots(tmp_path, monkeypatch):
-    import re
-
-    from megamoe_cli.fused import PROFILE_SLOTS
-
-    text = (csrc_dir() / "megamoe" / "common.cuh").read_text()
-    body = text[text.index("enum ProfileSlot"):]
-    body = body[:body.index("};")]
-    slots = {int(number): name for name, number in re.findall(r"(kProf\w+) = (\d+)", body)}
-    assert sorted(slots) == list(range(len(PROFILE_SLOTS)))
-    for number, name in slots.items():
-        # kProfTileWait <-> "tile_wait", kProfEpilogueL1Math <-> "epilogue_l1_math", ...
-        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name[len("kProf"):]).lower()
-        snake = re.sub(r"_l_(\d)", r"_l\1", snake)
-        assert snake == PROFILE_SLOTS[number], (name, PROFILE_SLOTS[number])
-
+def test_the_profiling_build_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
     v = Variant(PRESETS["small"], 2, 64, 64, 4, 1)
     source = generate_source(v, profile=True)

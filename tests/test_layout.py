@@ -18,8 +18,8 @@ def _config(preset_name, ranks, tokens, block_m=64):
 
 # P = max(align(R*T*min(topk, E_local) + E_local*(block_m - 1), block_m), E_local*block_m) (at least one
 # block per local expert: the direct pool of small calls), worked by hand:
-#   seed-default 8 x 8192, block 192: E_local = 384/8 = 48; 8*8192*6 = 393216; + 48*191 = 9168
-#     -> 402384 = 2095.75 blocks -> 2096 blocks = 402432 rows.
+#   seed-default 8 x 8192, block 128: E_local = 384/8 = 48; 8*8192*6 = 393216; + 48*127 = 6096
+#     -> 399312 = 3119.625 blocks -> 3120 blocks = 399360 rows.
 #   deepseek-v3 2 x 8192, block 64: E_local = 128; 2*8192*8 = 131072; + 128*63 = 8064 -> 139136 = 2174 blocks.
 #   deepseek-v3 8 x 1, block 64: E_local = 32; 8*1*8 = 64; + 32*63 = 2016 -> 2080 -> 33 blocks = 2112.
 #   small 8 x 100, block 64: E_local = 8/8 = 1, so min(topk=2, 1) = 1; 800 + 63 = 863 -> 14 blocks = 896.
@@ -28,7 +28,7 @@ def _config(preset_name, ranks, tokens, block_m=64):
 @pytest.mark.parametrize(
     "preset_name, ranks, tokens, block_m, pool_tokens, pool_blocks",
     [
-        ("seed-default", 8, 8192, 192, 402432, 2096),
+        ("seed-default", 8, 8192, 128, 399360, 3120),
         ("deepseek-v3", 2, 8192, 64, 139136, 2174),
         ("deepseek-v3", 8, 1, 64, 2112, 33),
         ("small", 8, 100, 64, 896, 14),
@@ -55,7 +55,7 @@ def test_segment_sizes_follow_their_shapes():
 
 @pytest.mark.parametrize(
     "preset_name, ranks, tokens, block_m",
-    [("deepseek-v3", 8, 8192, 64), ("seed-default", 8, 8192, 192), ("small", 2, 3, 16), ("qwen3-235b", 4, 129, 128)],
+    [("deepseek-v3", 8, 8192, 64), ("seed-default", 8, 8192, 128), ("small", 2, 3, 64), ("qwen3-235b", 4, 129, 128)],
 )
 def test_segments_are_aligned_increasing_and_disjoint(preset_name, ranks, tokens, block_m):
     layout = build_layout(_config(preset_name, ranks, tokens, block_m))
@@ -112,9 +112,10 @@ def test_shape_validation(fields, message):
         (dict(num_ranks=-2), "num_ranks must be a positive integer"),
         (dict(num_max_tokens_per_rank=0), "num_max_tokens_per_rank must be a positive integer"),
         (dict(num_max_tokens_per_rank=-8), "num_max_tokens_per_rank must be a positive integer"),
-        (dict(block_m=0), "block_m must be a multiple of 16"),
-        (dict(block_m=72), "block_m must be a multiple of 16"),
-        (dict(block_m=512), "block_m must be a multiple of 16"),
+        (dict(block_m=0), r"^block_m=0 is not supported by the fused kernel; expected one of \(64, 128\)$"),
+        (dict(block_m=72), r"^block_m=72 is not supported"),
+        (dict(block_m=32), r"^block_m=32 is not supported"),
+        (dict(block_m=256), r"^block_m=256 is not supported"),
     ],
 )
 def test_buffer_config_validation(fields, message):

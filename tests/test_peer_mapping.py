@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megamoe_cli import fused, reference
+from megamoe_cli.fused import buffer as fused_buffer
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.gpus import rank_placement
 from megamoe_cli.jit import driver
@@ -73,8 +74,8 @@ def test_map_peer_buffers_gives_every_rank_its_peers_addresses(monkeypatch):
 
     monkeypatch.setattr(driver, "ipc_export", export)
     monkeypatch.setattr(driver, "ipc_open", open_)
-    monkeypatch.setattr(fused.dist, "all_gather_object", _gathers(handles, lambda value: [value] * world))
-    buffer, ptrs, mapped = fused._map_peer_buffers(1024, torch.device("cpu"), rank, world, group=None)
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object", _gathers(handles, lambda value: [value] * world))
+    buffer, ptrs, mapped = fused_buffer.map_peer_buffers(1024, torch.device("cpu"), rank, world, group=None)
     assert buffer.numel() == 1024 and buffer.dtype == torch.uint8
     assert ptrs[rank] == buffer.data_ptr()
     assert sorted(opened) == sorted(exported[r] for r in range(world) if r != rank)  # never its own
@@ -89,19 +90,19 @@ def test_map_peer_buffers_names_the_allocator_when_export_fails(monkeypatch):
         raise driver.CudaDriverError("cuIpcGetMemHandle", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
 
     monkeypatch.setattr(driver, "ipc_export", export)
-    monkeypatch.setattr(fused.dist, "all_gather_object", _gathers(lambda value: [(b"x" * 64, 0), value, (b"y" * 64, 0)]))
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object", _gathers(lambda value: [(b"x" * 64, 0), value, (b"y" * 64, 0)]))
     with pytest.raises(MegaMoEError, match="rank 1: ranks share a GPU.*cudaMalloc.*expandable_segments"):
-        fused._map_peer_buffers(64, torch.device("cpu"), 1, 3, group=None)
+        fused_buffer.map_peer_buffers(64, torch.device("cpu"), 1, 3, group=None)
 
 
 def test_map_peer_buffers_fails_on_every_rank_when_one_rank_fails(monkeypatch):
     # A peer's export failed: this rank raises too instead of waiting for it in a later collective.
     monkeypatch.setattr(driver, "ipc_export", lambda ptr, device: (b"a" * 64, 0))
     monkeypatch.setattr(driver, "ipc_open", lambda *a: pytest.fail("must not map after a peer failed"))
-    monkeypatch.setattr(fused.dist, "all_gather_object",
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object",
                         _gathers(lambda value: [value, "rank 1: ranks share a GPU, ... no cudaMalloc memory"]))
     with pytest.raises(MegaMoEError, match="rank 1: ranks share a GPU"):
-        fused._map_peer_buffers(64, torch.device("cpu"), 0, 2, group=None)
+        fused_buffer.map_peer_buffers(64, torch.device("cpu"), 0, 2, group=None)
 
     # This rank maps rank 1, then fails on rank 2 (any exception type): it unmaps rank 1, waits
     # for every rank, and every rank hears why.
@@ -114,21 +115,21 @@ def test_map_peer_buffers_fails_on_every_rank_when_one_rank_fails(monkeypatch):
 
     monkeypatch.setattr(driver, "ipc_open", open_)
     monkeypatch.setattr(driver, "ipc_close", lambda handle, device: closed.append(handle))
-    monkeypatch.setattr(fused.dist, "barrier", lambda group=None: barriers.append(group))
-    monkeypatch.setattr(fused.dist, "all_gather_object",
+    monkeypatch.setattr(fused_buffer.dist, "barrier", lambda group=None: barriers.append(group))
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object",
                         _gathers(lambda value: [value, (b"b" * 64, 0), (b"c" * 64, 0)], lambda value: [value, None, None]))
     with pytest.raises(MegaMoEError, match="rank 0 could not map rank 2's buffer: ValueError"):
-        fused._map_peer_buffers(64, torch.device("cpu"), 0, 3, group=None)
+        fused_buffer.map_peer_buffers(64, torch.device("cpu"), 0, 3, group=None)
     assert closed == [b"b" * 64] and len(barriers) == 1
 
     # This rank mapped everything but a peer could not: it raises as well, after unmapping.
     closed.clear(), barriers.clear()
     monkeypatch.setattr(driver, "ipc_open", lambda handle, offset, device: 0x2000)
-    monkeypatch.setattr(fused.dist, "all_gather_object",
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object",
                         _gathers(lambda value: [value, (b"b" * 64, 0), (b"d" * 64, 0)],
                                  lambda value: [value, None, "rank 2 could not map rank 0's buffer: boom"]))
     with pytest.raises(MegaMoEError, match="rank 2 could not map rank 0's buffer"):
-        fused._map_peer_buffers(64, torch.device("cpu"), 0, 3, group=None)
+        fused_buffer.map_peer_buffers(64, torch.device("cpu"), 0, 3, group=None)
     assert sorted(closed) == [b"b" * 64, b"d" * 64] and len(barriers) == 1
 
 
@@ -143,18 +144,18 @@ def test_map_peer_buffers_reports_an_allocation_failure_to_every_rank(monkeypatc
         contributed.append(value)
         return [value, (b"z" * 64, 0)]
 
-    monkeypatch.setattr(fused.torch, "empty", empty)
-    monkeypatch.setattr(fused.dist, "all_gather_object", _gathers(handles))
+    monkeypatch.setattr(fused_buffer.torch, "empty", empty)
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object", _gathers(handles))
     with pytest.raises(MegaMoEError, match="rank 0: .*RuntimeError: CUDA out of memory"):
-        fused._map_peer_buffers(64, torch.device("cpu"), 0, 2, group=None)
+        fused_buffer.map_peer_buffers(64, torch.device("cpu"), 0, 2, group=None)
     assert isinstance(contributed[0], str)
 
 
 def test_ranks_share_gpus_by_host_and_bus():
     a, b = "0000:18:00.0", "0000:2a:00.0"
-    assert not fused.ranks_share_gpus([("n1", a), ("n1", b)])
-    assert fused.ranks_share_gpus([("n1", a), ("n1", b), ("n1", a)])
-    assert not fused.ranks_share_gpus([("n1", a), ("n2", a)])  # the same bus id on two hosts: two GPUs
+    assert not fused_buffer.ranks_share_gpus([("n1", a), ("n1", b)])
+    assert fused_buffer.ranks_share_gpus([("n1", a), ("n1", b), ("n1", a)])
+    assert not fused_buffer.ranks_share_gpus([("n1", a), ("n2", a)])  # the same bus id on two hosts: two GPUs
 
 
 def test_ipc_mappings_are_counted_and_the_last_close_unmaps(monkeypatch):
@@ -203,7 +204,7 @@ def test_close_unmaps_the_peers_then_waits_for_every_rank(monkeypatch):
         events.append("gather")
         out[:] = [value, None]
 
-    monkeypatch.setattr(fused.dist, "all_gather_object", gather)
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object", gather)
     buf = _bare_buffer(True)
     buf.close()
     assert events == ["sync", ("close", b"p", 0), ("close", b"q", 0), "gather"]
@@ -230,14 +231,14 @@ def test_close_unmaps_and_meets_the_others_even_when_the_device_failed(monkeypat
 
     monkeypatch.setattr(torch.cuda, "synchronize", failed_sync)
     monkeypatch.setattr(driver, "ipc_close", lambda handle, device: closed.append(handle))
-    monkeypatch.setattr(fused.dist, "all_gather_object", gather)
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object", gather)
     with pytest.raises(MegaMoEError, match="rank 0: the device failed.*illegal instruction"):
         _bare_buffer(True).close()
     assert len(closed) == 2 and "illegal instruction" in contributed[0]
 
     # A peer failed: this rank, whose own close went well, raises too.
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(fused.dist, "all_gather_object",
+    monkeypatch.setattr(fused_buffer.dist, "all_gather_object",
                         lambda out, value, group=None: out.__setitem__(slice(None), [value, "rank 1: boom"]))
     with pytest.raises(MegaMoEError, match="rank 1: boom"):
         _bare_buffer(True).close()
@@ -263,7 +264,7 @@ def test_a_new_buffer_closes_the_runners_old_one_and_the_old_runner_refuses_call
     monkeypatch.setattr(fused, "SymmBuffer", FakeBuffer)
     monkeypatch.setattr(fused, "resolve_config", lambda *a: (KernelConfig(block_m=64), "default"))
     monkeypatch.setattr(fused, "transform_weights_for_mega_moe", lambda *a: (None, None))
-    monkeypatch.setattr(fused.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(fused_buffer.torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(fused, "_BUFFERS", {})
     shape = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)
 

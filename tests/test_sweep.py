@@ -49,14 +49,14 @@ def test_shipped_sweeps_cover_what_the_benchmarks_need():
 
 def test_expansion_order_and_block_m_only_on_fused():
     sweep = load_sweep_text(
-        "name: t\nshape: {preset: small}\nnum_tokens: [1, 8]\nbackends: [fused, torch]\nblock_m: [32, 64]\n"
+        "name: t\nshape: {preset: small}\nnum_tokens: [1, 8]\nbackends: [fused, torch]\nblock_m: [128, 64]\n"
     )
     got = [(p.num_tokens, p.backend, p.block_m) for p in sweep.points]
     assert got == [
-        (1, "fused", 32), (1, "fused", 64), (1, "torch", None),
-        (8, "fused", 32), (8, "fused", 64), (8, "torch", None),
+        (1, "fused", 128), (1, "fused", 64), (1, "torch", None),
+        (8, "fused", 128), (8, "fused", 64), (8, "torch", None),
     ]
-    assert sweep.points[0].config == {"block_m": 32}
+    assert sweep.points[0].config == {"block_m": 128}
     assert sweep.points[2].config == {}
 
 
@@ -150,7 +150,7 @@ def test_unknown_key_in_second_shape_of_list():
         (BASE.replace("{preset: small}", "[small]"), "shape: expected a mapping"),
         (BASE + "num_topk: [9]\n", "num_topk: with shape: num_topk must be between 1 and num_experts=8, got 9"),
         (BASE + "block_m: [64]\n", "block_m is a kernel config of the fused and fused-graph backends"),
-        (BASE.replace("torch]", "fused]") + "block_m: [64, 40]\n", "block_m[1]: block_m must be a multiple of 16"),
+        (BASE.replace("torch]", "fused]") + "block_m: [64, 40]\n", "block_m[1]: block_m=40 is not supported by the fused kernel"),
         (BASE + "num_max_tokens_per_rank: 2\n", "must be at least the largest num_tokens (4), got 2"),
         (BASE + "shapes: [{preset: small}]\n", "give exactly one of 'shape'"),
         ("shape: {preset: small}\nnum_tokens: [1]\nbackends: [torch]\n", "missing required key 'name'"),
@@ -182,7 +182,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 
 def test_point_json_round_trip():
-    for text in (BASE, BASE.replace("[1, 4]", "[[0, 3]]"), BASE.replace("torch]", "fused]") + "block_m: [32]\n",
+    for text in (BASE, BASE.replace("[1, 4]", "[[0, 3]]"), BASE.replace("torch]", "fused]") + "block_m: [128]\n",
                  BASE + "calls_per_sample: 5\n"):
         for point in load_sweep_text(text).points:
             again = Point.from_json(point.to_json())

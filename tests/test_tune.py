@@ -247,7 +247,8 @@ def test_build_failures_and_spills_are_excluded_with_their_own_reasons():
 def test_prebuilt_sources_are_the_ones_the_fused_runner_loads(monkeypatch):
     import torch
 
-    from megamoe_cli import fused, jit
+    from megamoe_cli import jit
+    from megamoe_cli.fused import launch
 
     variant = Variant(DSV3, 2, 128, 64, 4)
     seen = []
@@ -258,7 +259,7 @@ def test_prebuilt_sources_are_the_ones_the_fused_runner_loads(monkeypatch):
 
     monkeypatch.setattr(jit, "build", capture)
     with pytest.raises(RuntimeError, match="captured"):
-        fused._Kernel(variant, torch.device("cpu"))
+        launch.Kernel(variant, torch.device("cpu"))
     assert seen == [kernel_build_source(variant)]
 
 

@@ -14,7 +14,7 @@ namespace megamoe {
 // pools (dispatch_count), a push (bits 48-55), so no rank needs the others' counts: the
 // exchange is complete once every rank is announced and the CTAs equal the announced numbers.
 // Returns the number of ranks that pushed.
-// The word is this call's parity's ([0] or [1] of grid_sync), zeroed by the cleanup phase.
+// The word is grid_sync[kGridSyncCountExchange + the call's epoch parity], zeroed by the cleanup phase.
 // NOTES: a peer adds to the same parity's word again two calls later, after this rank's next
 // combine barrier, which this rank's next kernel signals only after this kernel's cleanup
 // (stream order, and the system fence before the signal).  Replaces a grid barrier, CTA 0's

@@ -1,6 +1,7 @@
 // Compile-time shape/config constants and small helpers shared by every role.
-// The generated translation unit defines the MEGAMOE_* macros and `struct Params`
-// (field list owned by megamoe_cli/fused.py) before including kernel.cuh.
+// The generated translation unit (megamoe_cli/kernel_source.py) defines the MEGAMOE_* macros,
+// `struct Params` and the contract (megamoe_cli/contract.py: tile shape, Phase, Diagnostic,
+// ProfileSlot, TraceKind, GridSyncWord) before including kernel.cuh.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -10,28 +11,33 @@
 
 #include "ptx.cuh"
 
+#ifndef MEGAMOE_CONTRACT
+#error "the generated contract (megamoe_cli/contract.py, contract_header) must come before the kernel headers"
+#endif
+
 // Cycle counters for profiling builds (MEGAMOE_PROFILE): summed over CTAs, read by the host
-// through the module global; slots: ProfileSlot below (names: PROFILE_SLOTS in megamoe_cli/fused.py).
+// through the module global; slots: ProfileSlot.
 // The same builds keep a timeline: megamoe_trace holds up to kTraceEvents events of
-// {globaltimer ns, clock64, cta << 40 | pool block << 8 | kind, call epoch << 32 | info}, taken in order from
-// megamoe_trace_count (kinds: TraceKind below; names: TRACE_KINDS in megamoe_cli/fused.py).
+// {globaltimer ns, clock64, place, when}, packed by the contract's kTrace*Shift (place: CTA,
+// pool block, TraceKind; when: call epoch, info), taken in order from megamoe_trace_count.
 #ifdef MEGAMOE_PROFILE
-constexpr uint32_t kTraceEvents = 262144;
 extern "C" {
-__device__ unsigned long long megamoe_profile[32];
+__device__ unsigned long long megamoe_profile[megamoe::kProfileCapacity];
 __device__ unsigned int megamoe_trace_count;
-__device__ ulonglong4 megamoe_trace[kTraceEvents];
+__device__ ulonglong4 megamoe_trace[megamoe::kTraceEvents];
 }
 #define MEGAMOE_PROF(...) __VA_ARGS__
 #define MEGAMOE_PROF_ADD(slot, value) atomicAdd(&megamoe_profile[slot], static_cast<unsigned long long>(value))
 #define MEGAMOE_TRACE(kind, epoch, info, block) megamoe_trace_event(kind, epoch, info, block)
 __device__ __forceinline__ void megamoe_trace_event(uint32_t kind, uint64_t epoch, uint32_t info, uint32_t block) {
     const uint32_t i = atomicAdd(&megamoe_trace_count, 1u);
-    if (i < kTraceEvents)
+    if (i < megamoe::kTraceEvents)
         megamoe_trace[i] = make_ulonglong4(megamoe::ptx::globaltimer_ns(), clock64(),
-                                           (static_cast<unsigned long long>(blockIdx.x) << 40) |
-                                               (static_cast<unsigned long long>(block) << 8) | kind,
-                                           (epoch << 32) | info);
+                                           (static_cast<unsigned long long>(blockIdx.x) << megamoe::kTraceCtaShift) |
+                                               (static_cast<unsigned long long>(block) << megamoe::kTraceBlockShift) |
+                                               (static_cast<unsigned long long>(kind) << megamoe::kTraceKindShift),
+                                           (epoch << megamoe::kTraceEpochShift) |
+                                               (static_cast<unsigned long long>(info) << megamoe::kTraceInfoShift));
 }
 #else
 #define MEGAMOE_PROF(...)
@@ -61,12 +67,9 @@ constexpr uint32_t kNumHalvesPerWg = kBlockM / 64;
 // them to all), or an expert's odd last block and consecutive N tiles (the leader multicasts A).
 constexpr uint32_t kClusterM = MEGAMOE_CLUSTER_M;
 static_assert(kClusterM == 1 || kClusterM == 2, "cluster_m must be 1 or 2");
-constexpr uint32_t kBlockN = 256;
-constexpr uint32_t kBlockK = 128;
 constexpr uint32_t kWgmmaK = 32;
 
-// Roles: warpgroup 0 = TMA producer warp + dispatch warps; warpgroups 1, 2 = MMA consumers.
-constexpr uint32_t kNumThreads = 384;
+// Roles (kNumThreads): warpgroup 0 = TMA producer warp + dispatch warps; warpgroups 1, 2 = MMA consumers.
 constexpr uint32_t kNumConsumerThreads = 256;
 constexpr uint32_t kNumDispatchWarps = 3;
 constexpr uint32_t kNumDispatchThreads = kNumDispatchWarps * 32;
@@ -82,12 +85,12 @@ constexpr uint32_t kNumL2KBlocks = kIntermediate / kBlockK;
 static_assert(kNumL2KBlocks == kNumL1NTiles, "L2 K block j is L1 N tile j's output");
 constexpr uint32_t kL2ReadyWords = (kNumL1NTiles + 31) / 32;
 
-static_assert(kBlockM == 64 || kBlockM == 128, "block_m must be 64 or 128");
+static_assert(supported_block_m(kBlockM), "block_m: see contract.SUPPORTED_BLOCK_M");
 static_assert(kHidden % kBlockN == 0, "hidden must be a multiple of 256");
 static_assert((2 * kIntermediate) % kBlockN == 0, "intermediate must be a multiple of 128");
 static_assert(kNumExperts % kNumRanks == 0, "experts must divide evenly over ranks");
-static_assert(kNumRanks <= 8, "at most 8 ranks");
-static_assert(kNumTopk <= 32, "at most 32 top-k slots");
+static_assert(kNumRanks <= kMaxRanks, "at most kMaxRanks ranks");
+static_assert(kNumTopk <= kMaxTopk, "at most kMaxTopk top-k slots");
 
 // Direct pool (small calls): when every rank has at most kNumDispatchThreads pairs, each rank
 // pushes its rows straight into the owners' pools before the count exchange (from many CTAs:
@@ -110,7 +113,7 @@ constexpr uint32_t kDirectRowsPerSrc = (kBlockM == 64 && kClusterM == 1) ? kBloc
 constexpr bool kWeightFp4 = MEGAMOE_WEIGHT_FP4 != 0;
 constexpr uint32_t kFp4RowBytes = kBlockK / 2;
 constexpr uint32_t kFp4DataBytes = kBlockN * kFp4RowBytes;
-constexpr uint32_t kFp4StageBytes = kFp4DataBytes + kBlockN * (kBlockK / 32);
+static_assert(kFp4StageBytes == kFp4DataBytes + kBlockN * (kBlockK / 32), "MXFP4 stage: see contract.py");
 constexpr uint32_t kFp4NumScales = 32;
 constexpr int32_t kFp4ScaleBias = 25;
 static_assert(!kWeightFp4 || (kBlockM == 64 && kClusterM == 1),
@@ -138,65 +141,6 @@ constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
 constexpr uint32_t kBarPublish = 4;    // 4 and 5 (L1-tile parity): consumer warpgroups -> publisher warp
 constexpr uint32_t kBarExpand = 6;     // 6 and 7 (warpgroup): MXFP4 B half expanded
 
-// Profiling build counters (cycles unless said; per sampling thread, summed over CTAs)
-enum ProfileSlot : uint32_t {
-    kProfTileWait = 0,        // consumer: waiting for the first stage of a tile
-    kProfStageWait = 1,       // consumer: waiting for the other stages of a tile
-    kProfMainloop = 2,        // consumer: k loop of a tile (includes kProfStageWait)
-    kProfEpilogueL1 = 3,
-    kProfEpilogueL2 = 4,
-    kProfTilesL1 = 5,         // count
-    kProfTilesL2 = 6,         // count
-    kProfProducerArrival = 7, // producer: waiting for a tile's A rows
-    kProfProducerEmpty = 8,   // producer: waiting for a free stage
-    kProfProducerTotal = 9,
-    kProfConsumerLoop = 10,
-    kProfConsumerStart = 11,  // consumer: kernel start -> schedule ready
-    kProfCombineBarrier = 12,
-    kProfReduce = 13,
-    kProfConsumerTotal = 14,
-    kProfSamplers = 15,       // count of consumer sampling threads
-    kProfDispatchPull = 16,
-    kProfDispatchSchedule = 17,  // dispatch: count, exchange, schedule
-    kProfEpilogueL1Math = 18,    // L1 epilogue up to its stores
-    kProfEpilogueL1Release = 19, // L1 epilogue: proxy fence, barrier, release
-    kProfMainloopL1 = 20,        // consumer: k loops of L1 tiles (kProfMainloop - this = L2 tiles)
-    kProfMainloopHead = 21,      // consumer: the first two K blocks of every tile
-    kProfDispatchStart = 22,     // dispatch: CTA start (thread 0's first instruction) -> roles split
-    kProfDispatchCount = 23,     // dispatch: count phase (its atomics and stores issued)
-    kProfDispatchExchange = 24,  // dispatch: count exchange (fence, adds, wait for every CTA)
-    kProfMainloopHeadL2 = 25,    // consumer: the first two K blocks of L2 tiles (part of kProfMainloopHead)
-};
-
-// Timeline events of the profiling build (info: a tile as trace_tile packs it, or 0)
-enum TraceKind : uint32_t {
-    kTraceCtaStart = 1,      // thread 0's first instruction
-    kTraceTake = 2,          // producer: took a tile
-    kTraceFirstIssue = 3,    // producer: the tile's first stage issued (its first A rows were ready)
-    kTraceLastIssue = 4,     // producer: the tile's last stage issued
-    kTraceTileStart = 5,     // consumer warpgroup 0: the tile's first stage full
-    kTraceTileEnd = 6,       // consumer warpgroup 0: the tile's epilogue done
-    kTraceTilesDone = 7,     // consumers: no tile left, entering the combine barrier
-    kTraceBarrierDone = 8,   // consumers: past the combine barrier
-    kTraceCtaEnd = 9,        // consumers: reduce done
-    kTraceScheduleDone = 10, // dispatch: schedule built
-};
-
-// Phases named in timeout diagnostics
-enum Phase : uint32_t {
-    kPhaseCountExchange = 2,
-    kPhaseL1Arrival = 3,
-    kPhaseL2Arrival = 4,
-    kPhaseCombineBarrier = 5,
-    kPhaseCombineRankBarrier = 6,
-    kPhasePipeline = 7,
-    kPhaseBadTopkIdx = 8,
-    kPhaseTooManyPairs = 9,
-    kPhaseClusterTile = 10,
-    kPhasePublish = 11,       // consumers: the publisher warp did not take their L1 tiles in time
-    kPhasePublishSlot = 12,   // publisher: a slot out of sequence (cannot happen while the consumers wait)
-};
-
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 
 template <typename T>
@@ -210,21 +154,9 @@ __device__ __forceinline__ T* map_to_rank(const Params& p, T* ptr, uint32_t r) {
     return reinterpret_cast<T*>(reinterpret_cast<int64_t>(ptr) + p.peer_delta[r]);
 }
 
-// Failure record in host-pinned memory (p.diag): the first failing thread fills it and
-// traps; the host reads it after the launch fails.  No printf: a call anywhere in the
-// kernel would make ptxas serialize the WGMMA pipeline.
-struct Diagnostic {
-    uint32_t magic;  // kDiagMagic once filled
-    uint32_t rank;
-    uint32_t phase;
-    uint32_t cta;
-    uint32_t thread;
-    uint32_t index;
-    uint64_t expected;
-    uint64_t observed;
-};
-constexpr uint32_t kDiagMagic = 0x4d4f4521u;
-
+// The failure record (Diagnostic, in host-pinned memory at p.diag): the first failing thread
+// fills it and traps; the host reads it after the launch fails.  No printf: a call anywhere in
+// the kernel would make ptxas serialize the WGMMA pipeline.
 // Only the first failing thread writes the record and traps; later ones return to what
 // they were doing (spinning, or skipping a bad pair), so no trap lands before the record.
 __device__ __noinline__ void fail(const Params& p, uint32_t phase, uint64_t expected, uint64_t observed,

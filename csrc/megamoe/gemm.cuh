@@ -16,7 +16,7 @@ constexpr uint32_t kTileSlots = kNumStages + 2;
 struct Fp4Storage {
     uint8_t b_raw[kNumStages][kFp4StageBytes];
     uint2 fp4_table[kFp4NumScales];
-    uint8_t fp4_pad[1024 - sizeof(uint2) * kFp4NumScales];
+    uint8_t fp4_pad[kFp4TableBytes - sizeof(uint2) * kFp4NumScales];
 };
 struct NoFp4Storage {};
 static_assert(sizeof(Fp4Storage) % 1024 == 0, "the stage buffers after Fp4Storage must stay 1024-byte aligned");
@@ -235,8 +235,8 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
     const Schedule& s = ss.schedule;
     const uint32_t* l1_arrival = at<uint32_t>(p, p.off_l1_arrival);
     const uint32_t* l2_arrival = at<uint32_t>(p, p.off_l2_arrival);
-    TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + 5), ss.tile_slot, cluster_rank,
-                      0};
+    TileSource source{reinterpret_cast<uint32_t*>(at<uint64_t>(p, p.off_grid_sync) + kGridSyncTileCounter),
+                      ss.tile_slot, cluster_rank, 0};
     uint32_t it = 0;
     const uint32_t total = num_tiles(s);
     MEGAMOE_PROF(uint64_t& prof_arrival = ss.prof[2][0]; uint64_t& prof_empty = ss.prof[2][1]; prof_arrival = prof_empty = 0;

@@ -14,14 +14,19 @@
 
 namespace megamoe {
 
-static_assert(sizeof(SharedStorage) + 1024 <= MEGAMOE_SMEM_BYTES, "launcher's shared-memory size is too small");
+// The launch's shared memory (contract.smem_budget) covers SharedStorage and its alignment,
+// and stays close to it: a member changed without its term in the budget fails here.
+static_assert(sizeof(SharedStorage) + kSmemAlignBytes <= MEGAMOE_SMEM_BYTES,
+              "contract.smem_budget is smaller than SharedStorage needs");
+static_assert(MEGAMOE_SMEM_BYTES - (sizeof(SharedStorage) + kSmemAlignBytes) <= kSmemSpareBytes,
+              "contract.smem_budget exceeds what SharedStorage needs by more than kSmemSpareBytes");
 
 constexpr uint32_t kProducerRegisters = 56;
 constexpr uint32_t kConsumerRegisters = 224;
 
 __device__ __forceinline__ SharedStorage& shared_storage() {
     extern __shared__ uint8_t smem_raw[];
-    const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+    const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlignBytes - 1) & ~uintptr_t(kSmemAlignBytes - 1);
     return *reinterpret_cast<SharedStorage*>(base);
 }
 
@@ -88,7 +93,7 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
         const uint32_t copy_ctas =
             p.in_x != 0 ? ceil_div(static_cast<uint32_t>(p.num_tokens) * (kHidden / 16), kNumThreads) : 0;
         const uint32_t working = max(1u, min(gridDim.x, max(pair_ctas, copy_ctas)));
-        s.direct = count_exchange(p, grid_sync + (s.epoch & 1), working, pushed) == kNumRanks;
+        s.direct = count_exchange(p, grid_sync + kGridSyncCountExchange + (s.epoch & 1), working, pushed) == kNumRanks;
         MEGAMOE_PROF_ADD(kProfDispatchExchange, clock64() - prof_t0);
     }
     ptx::named_bar_sync(kBarDispatch, kNumDispatchThreads);
@@ -137,7 +142,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     __threadfence_system();
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     if (ct == 0)
-        combine_barrier(p, grid_sync + 2, ss.schedule.epoch * 4 + 2);
+        combine_barrier(p, grid_sync + kGridSyncCombineArrivals, ss.schedule.epoch * 4 + 2);
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
     MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); }
                  if (ct == 0) MEGAMOE_TRACE(kTraceBarrierDone, ss.schedule.epoch, 0, 0);)
@@ -159,8 +164,8 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     for (uint32_t i = gt; i < kNumRanks * kNumExpertsPerRank; i += stride)
         recv_count[i] = 0;
     if (gt == 0) {
-        grid_sync[ss.schedule.epoch & 1] = 0;  // count-exchange arrivals
-        grid_sync[5] = 0;  // tile counter: every producer has taken its last tile
+        grid_sync[kGridSyncCountExchange + (ss.schedule.epoch & 1)] = 0;
+        grid_sync[kGridSyncTileCounter] = 0;  // every producer has taken its last tile
     }
 
     combine_reduce(p, reduce_warp, reduce_warps, ct % 32, first_valid);
@@ -171,7 +176,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
                  if (ct == 0) MEGAMOE_TRACE(kTraceCtaEnd, ss.schedule.epoch, 0, 0);)
 
     if (blockIdx.x == 0 && ct == 0)
-        grid_sync[4] = ss.schedule.epoch + 1;
+        grid_sync[kGridSyncEpoch] = ss.schedule.epoch + 1;
 }
 
 }  // namespace megamoe
@@ -196,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1) megamoe_ke
         ptx::fence_proxy_async_shared();
         // Every CTA's copy: its rank waits need it.  Block 0 advances it only at the very end,
         // after the combine barrier that every CTA reaches after reading it here.
-        ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[4];
+        ss.schedule.epoch = at<uint64_t>(p, p.off_grid_sync)[kGridSyncEpoch];
         MEGAMOE_TRACE(kTraceCtaStart, ss.schedule.epoch, 0, 0);
         ptx::tma_prefetch_desc(&p.tmap_l1_a);
         ptx::tma_prefetch_desc(&p.tmap_l1_b);

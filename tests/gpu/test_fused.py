@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.fused import FusedBackend, mega_moe, synchronize, transform_weights_for_mega_moe
+from megamoe_cli.contract import SUPPORTED_BLOCK_M
+from megamoe_cli.fused import FusedBackend, SymmBuffer, call_config, mega_moe, synchronize, transform_weights_for_mega_moe
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
 from megamoe_cli.reference import layer_relative_error, moe_reference_distributed
@@ -208,6 +209,32 @@ def test_small_calls_direct_pool_and_its_fallbacks(group, case):
         mega_moe(y, runner.l1, runner.l2, buf, config=runner.kernel_cfg, **inputs)
         synchronize(buf)
         check_against_reference(problem, group, y.clone())
+
+
+def test_one_buffer_runs_the_config_chosen_for_each_bound(group, tmp_path, monkeypatch):
+    """A serving engine's buffer: the default (laid out for the largest block_m) serves a decode-
+    sized bound (block_m 64 for this shape at any rank count) and the capacity (block_m 128), with
+    configs mega_moe chooses itself from num_tokens_bound."""
+    monkeypatch.setenv("MEGAMOE_TUNED_CONFIG", str(tmp_path / "tuned.json"))  # the analytic choice on every rank
+    rank, world = rank_and_world(group)
+    capacity = 1024
+    buf = SymmBuffer(group, SMALL.num_experts, capacity, SMALL.num_topk, SMALL.hidden, SMALL.intermediate)
+    assert buf.config.served_block_m == SUPPORTED_BLOCK_M
+    seed = shared_seed(group)
+    ran = set()
+    for i, (bound, num_tokens) in enumerate(((1, 1), (8, 5 + rank % 4), (None, 300 + rank), (capacity, capacity),
+                                             (4, 1 + rank % 4))):
+        problem = make_problem(SMALL, rank, world, num_tokens, capacity, "cuda", seed + i)
+        l1, l2 = transform_weights_for_mega_moe((problem.w1, problem.w1_sf), (problem.w2, problem.w2_sf))
+        y = torch.full((num_tokens, SMALL.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mega_moe(y, l1, l2, buf, x=problem.x, x_sf=problem.x_sf, topk_idx=problem.topk_idx,
+                 topk_weights=problem.topk_weights, num_tokens_bound=bound)
+        synchronize(buf)
+        check_against_reference(problem, group, y)
+        ran.add(call_config(buf, bound).block_m)
+    assert ran == set(SUPPORTED_BLOCK_M)
+    assert call_config(buf, 1).block_m == 64 and call_config(buf).block_m == 128
+    buf.close()
 
 
 def test_changing_routing_between_calls(group):

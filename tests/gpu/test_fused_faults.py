@@ -146,11 +146,30 @@ def case_buffer_for_another_shape(state):
     )
 
 
-def case_config_for_another_block_m(state):
-    block_m = state["runner"].buf.config.block_m
-    other = 128 if block_m == 64 else 64
-    return dict(config=KernelConfig(block_m=other)), (
-        f"buffer was laid out for block_m={block_m} but the kernel config asks for {other}"
+def small_block_buffer(state):
+    """A buffer laid out for block_m 64 only (created once, collectively, on first use)."""
+    if "small_block_buf" not in state:
+        state["small_block_buf"] = SymmBuffer(state["group"], SMALL.num_experts, NUM_MAX_TOKENS, SMALL.num_topk,
+                                              SMALL.hidden, SMALL.intermediate, block_m=64)
+    return state["small_block_buf"]
+
+
+def case_config_for_a_block_m_the_buffer_does_not_serve(state):
+    return dict(buf=small_block_buffer(state), config=KernelConfig(block_m=128)), (
+        "the buffer serves block_m [64] (laid out for block_m up to 64) but the kernel config asks for 128"
+    )
+
+
+def case_fewer_tokens_bound_than_tokens(state):
+    return dict(num_tokens_bound=NUM_TOKENS - 1), (
+        f"mega_moe: num_tokens={NUM_TOKENS} exceeds num_tokens_bound={NUM_TOKENS - 1}"
+    )
+
+
+def case_bound_past_the_capacity(state):
+    return dict(config=None, num_tokens_bound=NUM_MAX_TOKENS + 1), (
+        f"mega_moe: num_tokens_bound must be an integer in [0, {NUM_MAX_TOKENS}] (the buffer's "
+        f"num_max_tokens_per_rank), got {NUM_MAX_TOKENS + 1}"
     )
 
 
@@ -168,7 +187,9 @@ CASES = [
     case_l2_weight_bf16,
     case_weights_for_another_shape,
     case_buffer_for_another_shape,
-    case_config_for_another_block_m,
+    case_config_for_a_block_m_the_buffer_does_not_serve,
+    case_fewer_tokens_bound_than_tokens,
+    case_bound_past_the_capacity,
     case_config_as_dict,
 ]
 
@@ -178,10 +199,11 @@ def test_wrong_arguments_are_refused_before_launch(layer, case):
     runner = layer["runner"]
     runner.y.fill_(SENTINEL)
     changes, message = case(layer)
-    args = dict(y=runner.y, l1=runner.l1, l2=runner.l2, buf=runner.buf, config=runner.kernel_cfg)
+    args = dict(y=runner.y, l1=runner.l1, l2=runner.l2, buf=runner.buf, config=runner.kernel_cfg, num_tokens_bound=None)
     args.update(changes)
     with pytest.raises(MegaMoEError) as caught:
-        mega_moe(args["y"], args["l1"], args["l2"], args["buf"], config=args["config"])
+        mega_moe(args["y"], args["l1"], args["l2"], args["buf"], config=args["config"],
+                 num_tokens_bound=args["num_tokens_bound"])
     assert str(caught.value) == message
     torch.cuda.synchronize()
     for y in {id(t): t for t in (runner.y, args["y"]) if isinstance(t, torch.Tensor)}.values():
