@@ -367,7 +367,8 @@ def test_after_a_rank_crashes_mid_sweep_the_next_run_appends_to_the_same_file(tm
     out = tmp_path / "results.csv"
     crashed = run_bench(points, 2, out, device="cpu", env={TEST_CRASH_ENV: "1"}, grace_s=2, run_root=tmp_path)
     assert not crashed.ok
-    assert "rank 1 exited with code 1" in crashed.message
+    assert "rank 1 failed first" in crashed.message
+    assert "test hook MEGAMOE_TEST_CRASH_AT_POINT=1: exiting at point 1" in crashed.message
     after_crash = out.read_bytes()
 
     clean = run_bench(points, 2, out, device="cpu", run_root=tmp_path)
