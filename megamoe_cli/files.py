@@ -43,10 +43,11 @@ def check_writable(path: Path, what: str, *, replaced: bool = False) -> None:
     written there, before any work whose result would go there starts.
 
     The filesystem is asked by doing it: an existing file is opened for appending (its bytes are
-    left as they were), a missing one is created and removed again.  So a read-only mount, an
-    immutable file and a missing permission all count, for root too (``os.access`` says yes to
-    root on every one of them).  ``replaced``: the file is rewritten by renaming a temporary
-    file over it, so the folder must take new files as well.
+    left as they were); for a new one, a temporary file is created beside it and removed (the
+    name itself stays untouched, so a process about to create it never sees an empty file).  So
+    a read-only mount, an immutable file and a missing permission all count, for root too
+    (``os.access`` says yes to root on every one of them).  ``replaced``: the file is rewritten
+    by renaming a temporary file over it, so the folder must take new files as well.
     """
     path = Path(path)
     if path.is_dir():
@@ -62,18 +63,16 @@ def check_writable(path: Path, what: str, *, replaced: bool = False) -> None:
         return MegaMoEError(f"{path}: cannot write the {what} here ({where}{reason}); "
                             "choose another path or make it writable")
 
-    try:
-        if path.exists():
+    exists = path.exists()
+    if exists:
+        try:
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
-        else:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            os.unlink(path)
-    except OSError as exc:
-        raise refuse(exc, "") from None
-    if replaced:
+        except OSError as exc:
+            raise refuse(exc, "") from None
+    if replaced or not exists:
         try:
             fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
-            raise refuse(exc, f"its folder {folder}: ") from None
+            raise refuse(exc, f"its folder {folder}: " if exists else "") from None
