@@ -210,6 +210,9 @@ FAKE_TORCHRUN = textwrap.dedent(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode == "one_dies":
         children[1].wait()
+    if mode == "rows":  # rank 0 finished the rows prepared by the test
+        with open(os.environ["FAKE_ROWS"]) as src, open(os.path.join(run_dir, "rows.jsonl"), "a") as dst:
+            dst.write(src.read())
     time.sleep(600)
     """
 )
@@ -532,3 +535,39 @@ def test_a_clean_run_leaves_no_folder_behind(tmp_path):
     assert result.ok, result.message
     assert result.run_dir is None
     assert list(scratch.iterdir()) == []
+
+
+def test_a_stop_signal_while_rows_are_recorded_loses_none_of_them(tmp_path, fake_torchrun, monkeypatch):
+    """A signal that lands between appending a row to out_path and counting it, or between reading
+    rows and appending them, waits until they are recorded; then the run stops as usual."""
+    import signal
+
+    fake_torchrun("rows")
+    points = sweep_points()
+    prepared = tmp_path / "prepared.jsonl"
+    append_rows(prepared, [make_row(p, run_id="fake", world_size=2, device="cpu", env={}, status="ok")
+                           for p in points[:2]])
+    out = tmp_path / "r.csv"
+    original = launcher.append_rows
+
+    def append_then_signal(path, rows):
+        original(path, rows)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler raises at the next bytecode, unless held
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "append_rows", append_then_signal)
+    saved = signal.signal(signal.SIGTERM, stop)
+    events = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_bench(points, 2, out, device="cpu", on_event=events.append, grace_s=0.5, run_root=tmp_path,
+                      env={"FAKE_ROWS": str(prepared)})
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert [e.index for e in events if e.kind == "row"] == [0, 1]
+    (stopped,) = [e.message for e in events if e.kind == "stopped"]
+    assert stopped == f"stopped: every rank ended; 2 of {len(points)} point(s) measured, in {out}"
+    assert list(read_results(out)["num_tokens"]) == [points[0].num_tokens, points[1].num_tokens]
+    assert not processes_mentioning(str(tmp_path / "megamoe-bench-"))

@@ -665,6 +665,13 @@ def run_bench(
     started = -1
 
     def take_rows() -> None:
+        # A stop signal raised between reading a row and recording it would lose the row, or
+        # leave it in out_path uncounted: it waits until the rows read are all recorded.
+        with _SignalsHeld() as held:
+            take_rows_now()
+        held.deliver()
+
+    def take_rows_now() -> None:
         nonlocal deadline, waiting_for, started
         for event in progress_tail.read():
             index = int(event["index"])
