@@ -22,6 +22,9 @@ _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
 
 BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)
 
+# Backends whose code is sm_90a (the fused kernel): they run on Hopper GPUs only.
+HOPPER_ONLY = frozenset({"fused", "fused-graph"})
+
 # The backend whose time is the denominator of `speedup_vs_torch`.
 BASELINE_BACKEND = "torch"
 

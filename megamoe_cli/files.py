@@ -7,6 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+from .errors import MegaMoEError
+
 
 def atomic_write(path: Path, write: Callable[[str], None], *, prefix: Optional[str] = None) -> None:
     """Replace ``path`` with what ``write(tmp)`` puts into a temporary file beside it (named
@@ -34,3 +36,43 @@ def atomic_write(path: Path, write: Callable[[str], None], *, prefix: Optional[s
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def check_writable(path: Path, what: str, *, replaced: bool = False) -> None:
+    """Raise ``MegaMoEError`` naming ``path`` unless the ``what`` (e.g. "results file") can be
+    written there, before any work whose result would go there starts.
+
+    The filesystem is asked by doing it: an existing file is opened for appending (its bytes are
+    left as they were); for a new one, a temporary file is created beside it and removed (the
+    name itself stays untouched, so a process about to create it never sees an empty file).  So
+    a read-only mount, an immutable file and a missing permission all count, for root too
+    (``os.access`` says yes to root on every one of them).  ``replaced``: the file is rewritten
+    by renaming a temporary file over it, so the folder must take new files as well.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise MegaMoEError(f"{path}: is a directory; expected a {what}")
+    folder = path.parent
+    if not folder.exists():
+        raise MegaMoEError(f"{path}: folder {folder} does not exist")
+    if not folder.is_dir():
+        raise MegaMoEError(f"{path}: {folder} is not a folder")
+
+    def refuse(exc: OSError, where: str) -> MegaMoEError:
+        reason = (exc.strerror or type(exc).__name__).lower()
+        return MegaMoEError(f"{path}: cannot write the {what} here ({where}{reason}); "
+                            "choose another path or make it writable")
+
+    exists = path.exists()
+    if exists:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        except OSError as exc:
+            raise refuse(exc, "") from None
+    if replaced or not exists:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise refuse(exc, f"its folder {folder}: " if exists else "") from None

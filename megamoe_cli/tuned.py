@@ -145,6 +145,28 @@ def load(path: Optional[os.PathLike] = None) -> Dict[str, dict]:
     return _validate(data, path)
 
 
+def check_named_store() -> Optional[Path]:
+    """Read the store ``$MEGAMOE_TUNED_CONFIG`` names, if it names one, before any work starts.
+
+    The runtime reads it only where the fused backend chooses a config, on the ranks, so a
+    broken file would otherwise surface late, or never on a run without the fused backend.  A
+    named file that does not exist is an empty store (``megamoe tune`` creates it); one that
+    cannot be read raises ``MegaMoEError`` naming the variable, the file and what is wrong.
+    Returns the path, or None when the variable is not set.
+    """
+    named = os.environ.get(ENV_VAR)
+    if not named:
+        return None
+    path = Path(named).expanduser()
+    if path.is_dir():
+        raise MegaMoEError(f"${ENV_VAR} names {path}, a directory; it must name the tuned config file")
+    try:
+        load(path)
+    except MegaMoEError as exc:
+        raise MegaMoEError(f"${ENV_VAR}: {exc} (or unset the variable)") from None
+    return path
+
+
 def _validate(data: object, path: Path) -> Dict[str, dict]:
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
         raise MegaMoEError(f"tuned config {path} must be a JSON object with an \"entries\" object")

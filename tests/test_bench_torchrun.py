@@ -11,6 +11,7 @@ import os
 import sys
 import textwrap
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -106,9 +107,21 @@ def test_failed_point_continues_and_a_dying_rank_stops_the_run(tmp_path):
     assert not result.ok
     assert elapsed < 60, f"a dead rank took {elapsed:.0f} s to bring the run down"
     assert f"run stopped at point 3 of 4 ({points[3].describe()})" in result.message
-    assert "rank 1 exited with code 1" in result.message
+    # The rank that died is named first, from torchrun's failure records, with its cause once; rank 0,
+    # which only lost contact with it (gloo's socket error), is counted, not quoted.
+    assert ("rank 1 failed first (exit code 1): test hook MEGAMOE_TEST_CRASH_AT_POINT=3: exiting at point 3; "
+            "1 other rank(s) stopped after it") in result.message
+    assert result.message.count("exiting at point 3") == 1
+    assert "gloo" not in result.message and "lost contact" not in result.message
+    assert f"run files kept in {result.run_dir}" in result.message
     assert result.run_dir is not None and (result.run_dir / "torchrun.log").exists()
     assert no_survivors(result.run_dir)
+    # Those records are torch.distributed.elastic's: each rank's @record error file, in the run folder.
+    records = {r["rank"]: r for r in launcher.rank_failures(result.run_dir)}
+    assert records[1]["exitcode"] == 1
+    assert records[1]["message"] == "RankFailed: rank 1: test hook MEGAMOE_TEST_CRASH_AT_POINT=3: exiting at point 3"
+    assert all(r["error_file"] is None or r["error_file"].startswith(str(result.run_dir / launcher.ELASTIC_DIR))
+               for r in records.values())
 
     assert out.read_bytes().startswith(old_bytes)
     frame = read_results(out)
@@ -164,7 +177,10 @@ def test_run_environment_sets_the_multicast_switches_and_package_path(monkeypatc
     assert env["EXTRA"] == "x"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(launcher.PACKAGE_ROOT)
     cmd = launcher.torchrun_command(2, "plan.json", "rows.jsonl", "dir")
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:4] == [sys.executable, "-m", "megamoe_cli.bench.torchrun", str(Path("dir") / launcher.FAILURES_FILE)]
+    # torchrun's per-rank error files go into the run folder (and away with it), not into a
+    # torchelastic_* folder of their own in the temporary folder.
+    assert cmd[cmd.index("--log-dir") + 1] == str(Path("dir") / launcher.ELASTIC_DIR)
     assert cmd[cmd.index("-m", 3) + 1] == "megamoe_cli.bench.worker"
 
 
@@ -175,11 +191,15 @@ FAKE_TORCHRUN = textwrap.dedent(
     import json, os, signal, subprocess, sys, time
     run_dir, mode = sys.argv[1], sys.argv[2]
     rank_code = '''
-    import json, os, signal, sys, time
+    import json, os, signal, subprocess, sys, time
     run_dir, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with open(os.path.join(run_dir, "rank%d.pid" % rank), "w") as f:
-        json.dump({"pid": os.getpid(), "rank": rank}, f)
+    if mode == "grandchild":  # a process the rank started (a compiler, say), in the rank's group
+        subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, "
+                          "signal.SIG_IGN); time.sleep(600)", run_dir])
+    if mode != "no_pid_files":
+        with open(os.path.join(run_dir, "rank%d.pid" % rank), "w") as f:
+            json.dump({"pid": os.getpid(), "rank": rank}, f)
     if mode == "one_dies" and rank == 1:
         time.sleep(0.5)
         os._exit(1)
@@ -190,6 +210,9 @@ FAKE_TORCHRUN = textwrap.dedent(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode == "one_dies":
         children[1].wait()
+    if mode == "rows":  # rank 0 finished the rows prepared by the test
+        with open(os.environ["FAKE_ROWS"]) as src, open(os.path.join(run_dir, "rows.jsonl"), "a") as dst:
+            dst.write(src.read())
     time.sleep(600)
     """
 )
@@ -240,6 +263,54 @@ def test_overall_timeout(tmp_path, fake_torchrun):
     result = run_bench(sweep_points()[:1], 2, None, device="cpu", timeout_s=1.5, grace_s=1, run_root=tmp_path)
     assert "the run exceeded its timeout of 1.5 s" in result.message
     assert no_survivors(result.run_dir)
+
+
+def processes_mentioning(text):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read() and launcher._alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def wait_for(condition, wait_s=10.0):
+    deadline = time.monotonic() + wait_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["no_pid_files", "grandchild"])
+def test_terminate_run_finds_ranks_through_torchrun_and_ends_their_process_groups(tmp_path, mode):
+    """Ranks that have not written their PID files yet are found as torchrun's children; what a
+    rank started goes with the rank's process group.  Nothing that names the run survives."""
+    import subprocess
+
+    script = tmp_path / "fake_torchrun.py"
+    script.write_text(FAKE_TORCHRUN)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(run_dir), mode], start_new_session=True)
+    try:
+        expected = 3 if mode == "no_pid_files" else 5  # torchrun, 2 ranks (+ one child each)
+        wait_for(lambda: len(processes_mentioning(str(run_dir))) == expected)
+        processes = launcher.RunProcesses(proc, run_dir, 2)
+        processes.record()
+        assert len(processes.ranks) == 2 and processes.complete
+        assert worker_pids(run_dir) == ({} if mode == "no_pid_files" else worker_pids(run_dir))
+        everything = processes_mentioning(str(run_dir))
+        terminate_run(proc, run_dir, grace_s=0.5, processes=processes)
+        assert proc.poll() is not None
+        wait_for(lambda: not any(launcher._alive(pid) for pid in everything), wait_s=5)
+        assert not processes_mentioning(str(run_dir))
+    finally:
+        for pid in processes_mentioning(str(run_dir)):
+            os.kill(pid, 9)
 
 
 def test_terminate_run_kills_processes_that_ignore_sigterm(tmp_path):
@@ -375,5 +446,128 @@ def test_auto_device_without_a_gpu_says_it_runs_two_cpu_ranks():
     assert note.startswith("no CUDA device found, so running 2 CPU rank(s) with gloo")
     with pytest.raises(MegaMoEError, match="torch sees no CUDA device"):
         launcher.resolve_device("cuda", None)
-    with pytest.raises(MegaMoEError, match="nproc must be a positive integer, got 0"):
+    with pytest.raises(MegaMoEError, match="^the number of ranks must be a positive integer, got 0$"):
         launcher.resolve_device("cpu", 0)
+
+
+# Which rank failed first, from torch.distributed.elastic's records (not torchrun's log text).
+
+
+def record(rank, exitcode, message="", time_ns=0, signal_name=None):
+    return {"rank": rank, "local_rank": rank, "pid": 100 + rank, "exitcode": exitcode, "signal": signal_name,
+            "message": message, "traceback": "", "error_file": None, "time_ns": time_ns}
+
+
+def test_the_first_failure_is_the_rank_that_failed_on_its_own_account():
+    died = record(1, 1, "RankFailed: rank 1: point 3 (torch small num_tokens=4): prepare: RuntimeError: boom", 2_000)
+    lost = record(0, 1, "LostPeerError: rank 0: point 3 (...): lost contact with the other ranks in phase "
+                        "prepare: RuntimeError: [gloo] Connection closed by peer", 1_000)
+    stopped = record(2, -15, "", 500, "SIGTERM")
+    # The rank that lost contact wrote its record first, and torchrun stopped another earlier still:
+    # neither is the cause.
+    assert launcher.first_failure([lost, stopped, died]) is died
+    assert launcher.describe_failure(died, 2) == (
+        "rank 1 failed first (exit code 1): point 3 (torch small num_tokens=4): prepare: RuntimeError: boom; "
+        "2 other rank(s) stopped after it")
+    # Among ranks that failed on their own, the earliest; with only consequences, the earliest of those.
+    early = record(3, 3, "RankTimeout: rank 3: point 0 did not finish within 4 s", 1_500)
+    assert launcher.first_failure([died, early]) is early
+    assert launcher.first_failure([lost, stopped]) is stopped
+    assert launcher.first_failure([]) is None
+
+
+def test_a_rank_killed_without_a_record_is_named_by_its_signal():
+    killed = record(1, -9, "", 5, "SIGKILL")  # the OOM killer, kill -9: no Python left to write a record
+    lost = record(0, 1, "LostPeerError: rank 0: lost contact with the other ranks in phase timing", 1)
+    assert launcher.first_failure([lost, killed]) is killed
+    assert launcher.describe_failure(killed, 1) == ("rank 1 failed first (killed by SIGKILL, no error record); "
+                                                    "1 other rank(s) stopped after it")
+    assert launcher.describe_failure(record(0, 2), 0) == "rank 0 failed (exit code 2, no error record)"
+
+
+def test_bench_torchrun_turns_elastic_failures_into_records(tmp_path, monkeypatch):
+    """What bench.torchrun writes for the launcher, from the ProcessFailure objects torchrun's agent
+    builds: the @record error file's message and traceback, or the signal; the time the file was
+    written (nanoseconds), else the agent's time stamp."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+
+    from megamoe_cli.bench.torchrun import failure_records
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise RuntimeError("injected")
+    except RuntimeError as exc:
+        ErrorHandler().record_exception(exc)
+    failures = {1: ProcessFailure(local_rank=1, pid=11, exitcode=1, error_file=str(error_file)),
+                0: ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file=str(tmp_path / "none.json"))}
+    by_rank = {r["rank"]: r for r in json.loads(json.dumps(failure_records(failures)))}
+    assert by_rank[1]["message"] == "RuntimeError: injected"
+    assert "raise RuntimeError(\"injected\")" in by_rank[1]["traceback"]
+    assert by_rank[1]["time_ns"] == error_file.stat().st_mtime_ns and by_rank[1]["signal"] is None
+    assert (by_rank[0]["signal"], by_rank[0]["message"], by_rank[0]["error_file"]) == ("SIGTERM", "", None)
+    assert by_rank[0]["time_ns"] % 1_000_000_000 == 0  # the agent's whole-second stamp
+
+
+def test_a_worker_that_fails_leaves_its_elastic_error_record(tmp_path):
+    """The worker's entry point runs under @record: an exception that ends it is written to the
+    file torchrun names in TORCHELASTIC_ERROR_FILE, with the rank's own account as the message."""
+    import subprocess
+
+    error_file = tmp_path / "error.json"
+    env = launcher.run_environment({"TORCHELASTIC_ERROR_FILE": str(error_file), "RANK": "1"})
+    out = subprocess.run([sys.executable, "-m", "megamoe_cli.bench.worker", "--plan", str(tmp_path / "none.json"),
+                          "--rows", str(tmp_path / "rows.jsonl"), "--run-dir", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"].startswith("RankFailed: rank 1: FileNotFoundError: ")
+    assert "none.json" in message["message"]
+    assert "FileNotFoundError" in message["extraInfo"]["py_callstack"]
+    assert (tmp_path / "fatal.rank1.txt").read_text().startswith("rank 1: FileNotFoundError: ")
+
+
+def test_a_clean_run_leaves_no_folder_behind(tmp_path):
+    """Neither the run folder nor a torchelastic_* folder of torchrun's own in the temporary folder."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = run_bench(sweep_points()[:1], 2, None, device="cpu", run_root=scratch, env={"TMPDIR": str(scratch)})
+    assert result.ok, result.message
+    assert result.run_dir is None
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_stop_signal_while_rows_are_recorded_loses_none_of_them(tmp_path, fake_torchrun, monkeypatch):
+    """A signal that lands between appending a row to out_path and counting it, or between reading
+    rows and appending them, waits until they are recorded; then the run stops as usual."""
+    import signal
+
+    fake_torchrun("rows")
+    points = sweep_points()
+    prepared = tmp_path / "prepared.jsonl"
+    append_rows(prepared, [make_row(p, run_id="fake", world_size=2, device="cpu", env={}, status="ok")
+                           for p in points[:2]])
+    out = tmp_path / "r.csv"
+    original = launcher.append_rows
+
+    def append_then_signal(path, rows):
+        original(path, rows)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler raises at the next bytecode, unless held
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "append_rows", append_then_signal)
+    saved = signal.signal(signal.SIGTERM, stop)
+    events = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_bench(points, 2, out, device="cpu", on_event=events.append, grace_s=0.5, run_root=tmp_path,
+                      env={"FAKE_ROWS": str(prepared)})
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert [e.index for e in events if e.kind == "row"] == [0, 1]
+    (stopped,) = [e.message for e in events if e.kind == "stopped"]
+    assert stopped == f"stopped: every rank ended; 2 of {len(points)} point(s) measured, in {out}"
+    assert list(read_results(out)["num_tokens"]) == [points[0].num_tokens, points[1].num_tokens]
+    assert not processes_mentioning(str(tmp_path / "megamoe-bench-"))

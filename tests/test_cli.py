@@ -1,6 +1,7 @@
 """The command line, through click's CliRunner (and a subprocess where start-up cost matters)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -200,20 +201,20 @@ def _results_csv(path, failed_error="rank 1: out of memory"):
 def test_report_table_markdown_and_json(tmp_path):
     csv_path = _results_csv(tmp_path / "bench.csv")
 
-    table = run("report", str(csv_path), "--no-plot")
+    table = run("report", str(csv_path))
     assert table.exit_code == 0, table.output
     assert "3,200.0" in table.stderr  # torch at 8 tokens: 400 us * 8
     assert "4.00x" in table.stderr  # fused at 8 tokens: 3200 / 800
     assert "failed: fused tokens/rank=64: rank 1: out of memory" in table.stderr
 
-    md = run("report", str(csv_path), "--markdown", "--no-plot")
+    md = run("report", str(csv_path), "--markdown")
     assert md.exit_code == 0, md.output
     lines = md.stdout.strip().splitlines()
     assert lines[0].startswith("| backend | shape | tokens/rank |")
     assert len(lines) == 2 + 4
     assert "| fused | small | 8 |" in md.stdout
 
-    js = run("report", str(csv_path), "--json", "--no-plot")
+    js = run("report", str(csv_path), "--json")
     assert js.exit_code == 0, js.output
     rows = json.loads(js.stdout)
     assert len(rows) == 4
@@ -224,19 +225,32 @@ def test_report_table_markdown_and_json(tmp_path):
     assert failed["time_us_median"] is None
 
 
-def test_report_writes_a_png_plot(tmp_path):
+def test_report_writes_a_plot_only_when_asked(tmp_path):
     pytest.importorskip("matplotlib")
     csv_path = _results_csv(tmp_path / "bench.csv")
     result = run("report", str(csv_path))
     assert result.exit_code == 0, result.output
-    png = tmp_path / "bench.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot: {png}" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.csv"]  # nothing written beside the results
+    assert "plot: " not in result.stderr and "no plot" not in result.stderr
 
     custom = tmp_path / "plots" / "latency.png"
     result = run("report", str(csv_path), "--plot", str(custom))
     assert result.exit_code == 0, result.output
-    assert custom.stat().st_size > 0
+    assert custom.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {custom}" in result.stderr
+
+
+def test_report_plot_target_is_checked_before_anything_is_read(tmp_path, read_only):
+    pytest.importorskip("matplotlib")
+    csv_path = _results_csv(tmp_path / "bench.csv")
+    assert_one_line_error(run("report", str(csv_path), "--plot", str(tmp_path / "latency.xyz")),
+                          "latency.xyz: matplotlib cannot write .xyz; give the plot one of", ".png")
+    assert_one_line_error(run("report", str(tmp_path / "missing.csv"), "--plot", str(tmp_path / "p.txt")),
+                          "p.txt: matplotlib cannot write .txt")
+    folder = read_only(tmp_path / "locked")
+    assert_one_line_error(run("report", str(csv_path), "--plot", str(folder / "latency.png")),
+                          f"{folder / 'latency.png'}: cannot write the plot here", "choose another path")
+    assert not list(folder.iterdir())
 
 
 def test_report_plots_rows_of_several_calls_per_sample_as_their_own_series(tmp_path, monkeypatch):
@@ -269,14 +283,60 @@ def test_report_plots_rows_of_several_calls_per_sample_as_their_own_series(tmp_p
     assert "calls/sample" in result.stderr  # the table shows the column too
 
 
-def test_report_without_matplotlib_says_so(tmp_path, monkeypatch):
+def test_report_without_matplotlib_needs_it_only_for_a_plot(tmp_path, monkeypatch):
     csv_path = _results_csv(tmp_path / "bench.csv")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     result = run("report", str(csv_path))
     assert result.exit_code == 0, result.output
-    assert "no plot: matplotlib is not installed" in result.stderr
-    assert not (tmp_path / "bench.png").exists()
+    assert "not installed" not in result.stderr and "no plot" not in result.stderr
     assert_one_line_error(run("report", str(csv_path), "--plot", str(tmp_path / "x.png")), "needs matplotlib")
+    assert not (tmp_path / "x.png").exists()
+
+
+def _rows_text(tmp_path, ext):
+    """A whole results file of two rows, as bytes."""
+    path = _results_csv(tmp_path / f"whole{ext}")
+    data = path.read_bytes()
+    path.unlink()
+    return data
+
+
+def _damaged_files(tmp_path):
+    """(file name, bytes, what the one error line must say) for each kind of damage."""
+    csv_rows, jsonl_rows = _rows_text(tmp_path, ".csv"), _rows_text(tmp_path, ".jsonl")
+    header, first, *rest = csv_rows.split(b"\n")
+    cells = len(header.split(b","))
+    return [
+        ("random.csv", b"\xff\xfe" + bytes(range(256)) * 4, ["random.csv: not a megamoe results file (byte 0xff at "
+                                                               "offset 0 is not UTF-8 text)"]),
+        ("random.jsonl", b"\xfa" + bytes(range(200)), ["random.jsonl: not a megamoe results file (byte 0xfa"]),
+        ("garbled.csv", csv_rows + b"r2,\xc3\x28,ok\n", ["garbled.csv:6: byte 0xc3 at offset",
+                                                            "is not UTF-8 text; delete that line"]),
+        ("extra.csv", header + b"\n" + first + b",surplus\n" + b"\n".join(rest),
+         [f"extra.csv:2: a row of {cells + 1} fields, the header has {cells}; delete that line"]),
+        ("cut.csv", csv_rows + first[:40], ["cut.csv:6: a row of ", f"the header has {cells}; delete that line",
+                                            "a writer killed mid-row"]),
+        ("cut_in_quotes.csv", csv_rows + b'r9,"rank 1: a message cut sho',
+         ["cut_in_quotes.csv:6: a row of 2 fields", "delete that line"]),
+        ("foreign.csv", b"name,value\nalpha,1\n", ["foreign.csv: not a megamoe results file (its first line has no "
+                                                     "status/backend columns)"]),
+        ("foreign.jsonl", b'{"name": "alpha"}\n', ["foreign.jsonl: not a megamoe results file (line 1 is not a JSON "
+                                                   "object with status/backend fields)"]),
+        ("cut.jsonl", jsonl_rows + b'{"run_id": "r2", "sta\n' + jsonl_rows.split(b"\n")[0] + b"\n",
+         ["cut.jsonl:5: not a JSON row (", "delete that line"]),
+        ("list.jsonl", jsonl_rows + b"[1, 2]\n", ["list.jsonl:5: not a result row (no status/backend fields); "
+                                                  "delete that line"]),
+    ]
+
+
+def test_report_names_every_kind_of_damaged_results_file_in_one_line(tmp_path):
+    for name, data, fragments in _damaged_files(tmp_path):
+        path = tmp_path / name
+        path.write_bytes(data)
+        result = run("report", str(path))
+        assert_one_line_error(result, str(tmp_path), *fragments)
+        assert "--out" not in result.stderr  # report has no --out to choose
 
 
 @pytest.mark.parametrize(
@@ -292,6 +352,44 @@ def test_report_bad_files_are_one_line_exit_2(tmp_path, name, content, fragments
     if content is not None:
         path.write_text(content)
     assert_one_line_error(run("report", str(path)), *fragments)
+
+
+def test_report_a_damaged_parquet_file_is_one_line(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "r.parquet"
+    path.write_bytes(b"PAR1" + bytes(range(100)))
+    assert_one_line_error(run("report", str(path)), "r.parquet: not a Parquet file pyarrow can read")
+
+
+@pytest.fixture
+def read_only():
+    """Makes a file or folder unwritable for this process, root included: root passes every
+    permission check, so for root the path is made immutable (chattr +i) instead of chmod'ed."""
+    import os
+    import shutil
+
+    made = []
+
+    def make(path):
+        if not path.exists():
+            path.mkdir()
+        if os.geteuid() == 0:
+            if shutil.which("chattr") is None:
+                pytest.skip("as root, a path is made unwritable with chattr +i, which is missing here")
+            done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+            if done.returncode:
+                pytest.skip(f"chattr +i does not work here: {done.stderr.strip()}")
+        else:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        made.append(path)
+        return path
+
+    yield make
+    for path in made:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        else:
+            path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 # ---------------------------------------------------------------------------- bench
@@ -505,3 +603,255 @@ def test_error_text_with_brackets_is_printed_as_it_came(tmp_path):
     text = captured.get()
     assert "pair.cc:553] Connection closed by peer [bold]" in text.replace("\n", "")
     assert text.count("[/__w/pytorch") == 2
+
+
+# ---------------------------------------------------------------------------- files and paths, checked up front
+
+
+def test_bench_refuses_a_damaged_out_file_before_any_rank_starts(fake_cpu_run, tmp_path):
+    for name, data, fragments in _damaged_files(tmp_path):
+        path = tmp_path / name
+        path.write_bytes(data)
+        result = run("bench", "--tokens", "8", "--backend", "torch", "--out", str(path))
+        assert_one_line_error(result, *fragments)
+        if "not a megamoe results file" in fragments[0]:
+            assert result.stderr.strip().endswith("; choose another output file")
+        assert path.read_bytes() == data
+    assert not fake_cpu_run.calls
+
+
+def test_bench_refuses_an_out_it_cannot_write_before_any_rank_starts(fake_cpu_run, tmp_path, read_only):
+    existing = tmp_path / "kept" / "r.csv"
+    existing.parent.mkdir()
+    _results_csv(existing)
+    before = existing.read_bytes()
+    read_only(existing)
+    assert_one_line_error(run("bench", "--tokens", "8", "--backend", "torch", "--out", str(existing)),
+                          f"{existing}: cannot write the csv results file here (", "choose another path")
+    assert existing.read_bytes() == before
+
+    folder = read_only(tmp_path / "locked")
+    for name in ("new.csv", "new.jsonl"):
+        assert_one_line_error(run("bench", "--tokens", "8", "--backend", "torch", "--out", str(folder / name)),
+                              f"{folder / name}: cannot write the {name.split('.')[1]} results file here (")
+    assert not list(folder.iterdir())
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert_one_line_error(run("bench", "--tokens", "8", "--out", str(a_file / "sub" / "r.csv")),
+                          f"{a_file / 'sub' / 'r.csv'}: cannot create its folder {a_file / 'sub'} (not a directory)")
+    assert not fake_cpu_run.calls
+
+
+@pytest.mark.parametrize(
+    "content, fragments",
+    [
+        (b"\xff\xfe\x00garbage", ["is not UTF-8 text (byte 0)"]),
+        (b"{not json", ["is not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2"]),
+        (b'{"version": 7, "entries": {}}', ["has version 7; this megamoe reads version 1"]),
+        (b'{"version": 1, "entries": {"k": 3}}', ["entry 'k' has no \"config\" object"]),
+    ],
+    ids=["random bytes", "not JSON", "other version", "entry without config"],
+)
+def test_bench_refuses_a_broken_tuned_config_named_by_the_flag_or_the_variable(fake_cpu_run, tmp_path, monkeypatch,
+                                                                             content, fragments):
+    from megamoe_cli import tuned
+
+    store = tmp_path / "tuned.json"
+    store.write_bytes(content)
+    monkeypatch.delenv(tuned.ENV_VAR, raising=False)
+    args = ("bench", "--tokens", "8", "--backend", "torch", "--out", str(tmp_path / "r.csv"))
+    assert_one_line_error(run(*args, "--tuned-config", str(store)), f"tuned config {store}", *fragments)
+    # The variable is read by the ranks only where the fused backend picks a config; it is checked
+    # up front all the same, and the message says where the name came from.
+    monkeypatch.setenv(tuned.ENV_VAR, str(store))
+    result = run(*args)
+    assert_one_line_error(result, f"$MEGAMOE_TUNED_CONFIG: tuned config {store}", *fragments, "unset the variable")
+    assert not fake_cpu_run.calls
+    assert not (tmp_path / "r.csv").exists()
+
+
+def test_bench_takes_a_tuned_config_variable_that_names_no_file_yet(fake_cpu_run, tmp_path, monkeypatch):
+    from megamoe_cli import tuned
+
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "not_yet.json"))  # megamoe tune creates it
+    assert run("bench", "--tokens", "8", "--out", str(tmp_path / "r.csv")).exit_code == 0
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path))
+    assert_one_line_error(run("bench", "--tokens", "8", "--out", str(tmp_path / "r.csv")),
+                          f"$MEGAMOE_TUNED_CONFIG names {tmp_path}, a directory")
+    assert len(fake_cpu_run.calls) == 1
+
+
+def test_tune_checks_its_tuned_config_before_building_or_asking_for_a_gpu(tmp_path, monkeypatch, read_only):
+    from megamoe_cli import tuned
+
+    monkeypatch.delenv(tuned.ENV_VAR, raising=False)
+    folder = read_only(tmp_path / "locked")
+    assert_one_line_error(run("tune", "--tokens", "16", "--config-file", str(folder / "tuned.json")),
+                          f"{folder / 'tuned.json'}: cannot write the tuned config here (")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert_one_line_error(run("tune", "--tokens", "16", "--config-file", str(broken)),
+                          f"tuned config {broken} is not valid JSON")
+    monkeypatch.setenv(tuned.ENV_VAR, str(broken))
+    assert_one_line_error(run("tune", "--tokens", "16"), f"$MEGAMOE_TUNED_CONFIG: tuned config {broken}")
+    # A good store and a writable place: the next check is the GPU's.
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "new" / "tuned.json"))
+    assert_one_line_error(run("tune", "--tokens", "16"), "needs a CUDA GPU")
+    assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------------------- exit status
+
+
+def test_bench_with_failed_points_exits_3_and_says_where_the_run_files_are(monkeypatch, tmp_path):
+    from megamoe_cli.bench import launcher, results
+
+    class SomeFail(FakeRun):
+        def __call__(self, points, nproc=None, out_path=None, **kwargs):
+            result = super().__call__(points, nproc, out_path, **kwargs)
+            result.rows[1] = results.make_row(points[1], run_id="fake", world_size=nproc, device="cpu", env={},
+                                              status=results.STATUS_FAILED, error="rank 1: prepare: boom")
+            result.run_dir = tmp_path / "megamoe-bench-fake"
+            return result
+
+    monkeypatch.setattr(launcher, "run_bench", SomeFail())
+    monkeypatch.setattr(launcher, "resolve_device", lambda device, nproc: ("cpu", 2, "running CPU ranks"))
+    result = run("bench", "--tokens", "8,64", "--backend", "torch", "--out", str(tmp_path / "r.csv"))
+    assert result.exit_code == 3, result.output
+    assert "Traceback" not in result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (f"error: 1 of 2 points failed; the error column of their rows says why; run files kept in "
+                    f"{tmp_path / 'megamoe-bench-fake'}")
+    assert "cli: 1 of 2 point(s) ok" in result.stderr  # the table's title
+
+
+def test_bench_exit_status_on_cpu_ranks_0_when_all_points_pass_3_when_one_fails(tmp_path, monkeypatch):
+    from megamoe_cli.bench.worker import TEST_FAIL_ENV
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the run folder lands
+    args = ("bench", "--device", "cpu", "--preset", "small", "--tokens", "4,8", "--backend", "reference",
+            "--warmup", "0", "--iters", "1", "--out", str(tmp_path / "r.csv"))
+    monkeypatch.setenv(TEST_FAIL_ENV, "1")
+    failed = run(*args)
+    assert failed.exit_code == 3, failed.output
+    (run_dir,) = tmp_path.glob("megamoe-bench-*")
+    assert failed.stderr.strip().splitlines()[-1].endswith(f"run files kept in {run_dir}")
+    assert "RuntimeError: injected failure" in (run_dir / "torchrun.log").read_text()  # the rank's traceback
+    monkeypatch.delenv(TEST_FAIL_ENV)
+    clean = run(*args)
+    assert clean.exit_code == 0, clean.output
+    assert list(tmp_path.glob("megamoe-bench-*")) == [run_dir]  # a clean run removes its folder
+
+
+def test_tune_with_points_that_saved_nothing_exits_3(monkeypatch, tmp_path):
+    from megamoe_cli import tuned
+    from megamoe_cli.bench import tune as library
+    from megamoe_cli.cli import tune as command
+
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "tuned.json"))
+    monkeypatch.setattr(command, "_require_gpu", lambda: None)
+    sweep = library.tune_sweep_from_flags(num_tokens=[16, 32], preset="small")
+    plans = library.plan_tune(sweep, 2, "H200")
+    outcomes = [library.PointOutcome(plans[0], "ok", "saved"), library.PointOutcome(plans[1], "failed", "no default")]
+    monkeypatch.setattr(library, "run_tune",
+                        lambda *a, **k: library.TuneRun("ok", "2 point(s) measured", outcomes, tmp_path, "H200", 2))
+    result = run("tune", "--tokens", "16,32", "--preset", "small", "--ranks", "2")
+    assert result.exit_code == 3, result.output
+    assert result.stderr.strip().splitlines()[-1] == "error: 1 of 2 points saved nothing; their tables say why"
+
+
+# ---------------------------------------------------------------------------- up-front refusals
+
+
+@pytest.mark.parametrize("backend", ["fused", "fused-graph", "torch,fused"])
+def test_bench_refuses_the_fused_backends_on_cpu_ranks_before_any_rank_starts(fake_cpu_run, tmp_path, backend):
+    name = "fused-graph" if backend == "fused-graph" else "fused"
+    assert_one_line_error(run("bench", "--backend", backend, "--out", str(tmp_path / "r.csv")),
+                          f"backend {name} runs on Hopper GPUs (sm_90a) only, and this run is on CPU ranks")
+    assert not fake_cpu_run.calls and not (tmp_path / "r.csv").exists()
+
+
+def test_a_gpu_that_is_not_hopper_is_refused_for_the_fused_backends(monkeypatch):
+    import torch
+
+    from megamoe_cli.bench import launcher, sweep
+
+    points = sweep.sweep_from_flags(num_tokens=[8], backends=["torch", "fused"], preset="small").points
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA A100-SXM4-80GB")
+    from megamoe_cli.errors import MegaMoEError
+
+    with pytest.raises(MegaMoEError, match=r"^backend fused runs on Hopper GPUs \(sm_90a\) only; GPU 0 is "
+                                           r"NVIDIA A100-SXM4-80GB \(sm_80\)$"):
+        launcher.check_backends(points, "cuda", 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    launcher.check_backends(points, "cuda", 2)
+    launcher.check_backends(points[:1], "cpu", 2)  # torch alone runs anywhere
+
+
+def test_a_long_run_on_cpu_ranks_says_so_with_a_rough_time(fake_cpu_run, tmp_path):
+    result = run("bench", "--preset", "deepseek-v3", "--tokens", "8,128", "--backend", "torch",
+                 "--out", str(tmp_path / "r.csv"))
+    assert result.exit_code == 0, result.output
+    note = next(line for line in result.stderr.splitlines() if "this run takes roughly" in line)
+    assert "on 2 CPU ranks" in note and "2 point(s), deepseek-v3 with 5.6 G expert weights per rank" in note
+    assert re.search(r"roughly (\d+ min|\d+\.\d h)", note)
+    quick = run("bench", "--out", str(tmp_path / "r.csv"))  # the small CPU default
+    assert quick.exit_code == 0 and "this run takes roughly" not in quick.stderr
+
+
+def test_the_cpu_estimate_tells_minutes_from_hours():
+    from megamoe_cli.bench import launcher, sweep
+
+    def estimate(**flags):
+        return launcher.estimate_cpu_seconds(sweep.sweep_from_flags(**flags).points, 2)
+
+    # The CPU default (measured: ~30 s on the 2-core test machine, torch start-up included).
+    assert estimate(preset="small", num_tokens=[16, 128], backends=["torch", "reference"]) < 60
+    # One DeepSeek-V3 point: 5.6 G FP8 expert weights per rank, generated (~2 min) and dequantized on
+    # each of its 26 calls (~80 s each when a call reaches every expert).
+    one = estimate(preset="deepseek-v3", num_tokens=[128], backends=["torch"])
+    assert 20 * 60 < one < 90 * 60
+    assert estimate(preset="deepseek-v3", num_tokens=[128], backends=["torch"], warmup=0, iters=1) < one / 5
+
+
+# ---------------------------------------------------------------------------- help and messages
+
+
+def test_bench_help_matches_what_it_does():
+    from megamoe_cli.backends import BACKENDS
+    from megamoe_cli.cli.bench import DEFAULTS
+
+    text = " ".join(run("bench", "--help").stdout.split())
+    assert f"Backends to run, comma-separated: {', '.join(BACKENDS)}" in text
+    assert f"Model shape (default {DEFAULTS['cuda']['preset']} on a GPU machine, {DEFAULTS['cpu']['preset']} " \
+           "without one)" in text
+    for kind, where in (("cuda", "on a GPU machine"), ("cpu", "without a GPU")):
+        d = DEFAULTS[kind]
+        assert f"{where}, {d['preset']}" in text or f"{where}, the {d['preset']} preset" in text
+        assert f"at {','.join(map(str, d['num_tokens']))} tokens per rank with the {' and '.join(d['backends'])} " \
+               "backends" in text
+    for status in ("0 every point measured", "3 the run finished, but some points failed",
+                   "SIGINT 130, SIGTERM 143, SIGHUP 129"):
+        assert status in text
+    assert "nproc" not in text
+
+
+def test_readme_documents_what_the_help_says():
+    from megamoe_cli.backends import BACKENDS
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    commands = readme[readme.index("## The commands"):readme.index("## Using the layer from Python")]
+    troubleshooting = readme[readme.index("## Troubleshooting"):]
+    assert f"Backends (`--backend`): {', '.join(f'`{b}`' for b in BACKENDS)}" in commands
+    assert "`small` on a machine without one" in commands
+    for status in ("exit status 3", "128 + the signal number"):
+        assert status in commands or status in troubleshooting
+    assert "megamoe report results/bench.csv --plot results/bench.png" in commands
+
+
+def test_a_rank_count_error_names_ranks_not_nproc():
+    assert_one_line_error(run("bench", "--device", "cpu", "--ranks", "0"),
+                          "the number of ranks must be a positive integer, got 0")

@@ -362,7 +362,8 @@ def test_after_a_rank_crashes_mid_sweep_the_next_run_appends_to_the_same_file(tm
     out = tmp_path / "results.csv"
     crashed = run_bench(points, 2, out, device="cpu", env={TEST_CRASH_ENV: "1"}, grace_s=2, run_root=tmp_path)
     assert not crashed.ok
-    assert "rank 1 exited with code 1" in crashed.message
+    assert "rank 1 failed first" in crashed.message
+    assert "test hook MEGAMOE_TEST_CRASH_AT_POINT=1: exiting at point 1" in crashed.message
     after_crash = out.read_bytes()
 
     clean = run_bench(points, 2, out, device="cpu", run_root=tmp_path)
@@ -377,7 +378,27 @@ def test_after_a_rank_crashes_mid_sweep_the_next_run_appends_to_the_same_file(tm
     assert "exiting at point 1" in frame["error"][1]
 
 
-def test_an_interrupted_bench_stops_its_ranks_and_keeps_its_rows(tmp_path):
+def processes_mentioning(text):
+    """PIDs of the processes whose command line holds ``text`` (torchrun and the ranks name the
+    run folder on theirs), this test's own process aside."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if text.encode() in cmdline and launcher._alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_ends_every_process_of_the_run_and_keeps_its_rows(tmp_path, sig):
+    """What Ctrl-C, kill, timeout, a job scheduler and a closed terminal send, sent to the CLI's own
+    pid mid-sweep: torchrun starts every rank in a session of its own, so none of them gets the
+    signal; the CLI must stop them all, save the rows measured, and exit with 128 + the signal."""
     out = tmp_path / "r.csv"
     env = launcher.run_environment({TEST_HANG_ENV: "1", "TMPDIR": str(tmp_path)})
     proc = subprocess.Popen(
@@ -393,12 +414,15 @@ def test_an_interrupted_bench_stops_its_ranks_and_keeps_its_rows(tmp_path):
             assert time.monotonic() < deadline, "the first point never finished"
             time.sleep(0.1)
         (run_dir,) = tmp_path.glob("megamoe-bench-*")
-        pids = list(worker_pids(run_dir).values())
-        assert len(pids) == 2
+        while len(worker_pids(run_dir)) < 2:
+            time.sleep(0.1)
+        run = processes_mentioning(str(run_dir))
+        ranks = set(worker_pids(run_dir).values())
+        assert ranks < set(run) and len(run) == 3, "expected torchrun and two ranks"
         before = out.read_bytes()
 
         started = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=60)
         assert time.monotonic() - started < 30
     finally:
@@ -406,12 +430,43 @@ def test_an_interrupted_bench_stops_its_ranks_and_keeps_its_rows(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
 
-    assert proc.returncode == 130, stderr
-    assert stderr.strip().splitlines()[-1] == "error: interrupted"
-    assert not wait_gone(pids), "a rank outlived the interrupted run"
+    assert proc.returncode == 128 + sig, stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-1] == f"error: interrupted by {sig.name}"
+    assert f"stopped: every rank ended; 1 of 2 point(s) measured, in {out}" in stderr
+    assert "Traceback" not in stderr
+    assert not wait_gone(run), "a process of the run outlived the command"
+    assert not processes_mentioning(str(run_dir))
+    assert not run_dir.exists()  # the rows are in --out; the interrupted run leaves nothing behind
     assert out.read_bytes() == before
     frame = read_results(out)
     assert list(frame["status"]) == ["ok"] and list(frame["num_tokens"]) == [4]
+
+
+def test_a_signal_while_torchrun_starts_is_held_until_its_pid_is_recorded():
+    """The launcher starts torchrun under _SignalsHeld: a stop signal raised inside Popen, after
+    the fork, would lose torchrun's pid and leave it and its ranks running."""
+    caught = []
+
+    def stop(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    saved = signal.signal(signal.SIGTERM, stop)
+    try:
+        held = launcher._SignalsHeld()
+        with held:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # a Python handler runs between bytecodes: here, if it were not held
+            survived = True
+        assert survived and caught == []
+        assert signal.getsignal(signal.SIGTERM) is stop  # the caller's handler is back
+        with pytest.raises(KeyboardInterrupt):
+            held.deliver()  # raised where the launcher handles a stop: inside its try
+        assert caught == [signal.SIGTERM]
+        held.deliver()  # delivered once
+    finally:
+        signal.signal(signal.SIGTERM, saved)
 
 
 # Results files torn by a crash mid-write

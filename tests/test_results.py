@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -304,3 +305,43 @@ def test_summary_shows_a_timing_column_only_when_rows_differ_in_it(tmp_path, col
     assert list(view[column]) == [getattr(points()[0], column), value] and getattr(points()[0], column) != value
     table = markdown_table(view)
     assert f"| {header} |" in table and f"| {value} |" in table
+
+
+def test_a_damaged_csv_row_is_named_by_its_line_counting_cells_that_span_lines(tmp_path):
+    path = tmp_path / "r.csv"
+    append_rows(path, [ok_row(points()[0], 1.0), failed_row(points()[1])])  # the error cell holds a newline
+    with open(path, "a") as f:
+        f.write("run9,cut short\n")
+    with pytest.raises(MegaMoEError) as caught:
+        read_results(path)
+    assert str(caught.value) == (f"{path}:5: a row of 2 fields, the header has {len(COLUMNS)}; delete that line "
+                                 "(a writer killed mid-row leaves such a line)")
+    # bench checks the file it would append to the same way, before a run starts
+    with pytest.raises(MegaMoEError, match=rf"^{re.escape(str(path))}:5: a row of 2 fields"):
+        results.check_output_path(path)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:4]) + "\n")
+    assert list(read_results(path)["status"]) == ["ok", "failed"]
+    assert read_results(path)["error"][1] == "boom, \"quoted\"\nline 2"
+    results.check_output_path(path)
+
+
+def test_bytes_that_are_not_text_are_named_by_their_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_rows(path, [ok_row(points()[0], 1.0)])
+    with open(path, "ab") as f:
+        f.write(b'{"status": "ok", "backend": "t\xe9"}\n')
+    with pytest.raises(MegaMoEError, match=rf"^{re.escape(str(path))}:2: byte 0xe9 at offset \d+ is not UTF-8 "
+                                           "text; delete that line"):
+        read_results(path)
+
+
+def test_a_write_that_fails_midway_is_one_error_naming_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "r.csv"
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results.os, "write", full)
+    with pytest.raises(MegaMoEError, match=rf"^{re.escape(str(path))}: cannot write results \(no space left on device\)$"):
+        append_rows(path, [ok_row(points()[0], 1.0)])

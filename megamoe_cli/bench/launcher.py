@@ -1,9 +1,10 @@
 """Run a list of points on N ranks under torchrun and collect the rows.
 
-``run_bench`` writes the plan to a run folder, starts::
+``run_bench`` writes the plan to a run folder, starts torchrun through
+``bench.torchrun`` (which keeps the ranks' elastic failure records)::
 
-    python -m torch.distributed.run --standalone --nproc-per-node N \\
-        -m megamoe_cli.bench.worker --plan plan.json --rows rows.jsonl --run-dir DIR
+    python -m megamoe_cli.bench.torchrun DIR/failures.json --standalone --nproc-per-node N \\
+        --log-dir DIR/elastic -m megamoe_cli.bench.worker --plan plan.json --rows rows.jsonl --run-dir DIR
 
 and follows the run by polling two files rank 0 appends to (``progress.jsonl``:
 a point started; ``rows.jsonl``: a point finished).  Each row is appended to
@@ -12,21 +13,30 @@ a point started; ``rows.jsonl``: a point finished).  Each row is appended to
 Nothing waits forever: the run is bounded by a start-up deadline, by each
 point's ``timeout_s`` (plus a grace period), by an optional overall timeout,
 and by a short grace after any rank dies or reports a fatal error.  torchrun
-puts each worker in its own session, so stopping a run signals torchrun's
-process group and then every worker by the PID it recorded (SIGTERM, then
-SIGKILL for survivors).
+puts each worker in its own session, so the launcher records every rank's
+PID while torchrun lives (torchrun's children, and the PID file each rank
+writes); stopping a run sends SIGTERM to torchrun and to every recorded rank's
+process group, then SIGKILL to what is left.  An exception in the caller's
+thread (Ctrl-C, or SIGTERM/SIGHUP turned into one by the CLI) stops the run
+the same way, after which the rows already measured are appended to
+``out_path``.
+
+A failed run names the rank that failed first and its cause, from the
+failure records torchrun's agent collects (each rank's exit code or signal
+and its ``@record`` error file); the run folder, with every rank's output in
+``torchrun.log``, is kept and named.  A clean run's folder is removed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,7 +48,7 @@ from ..errors import MegaMoEError
 from ..layout import BufferConfig
 from .results import append_rows, check_output_path
 from .sweep import Point, points_to_json
-from .worker import ENV_FILE, FATAL_FILE, PID_FILE, PROGRESS_FILE
+from .worker import ENV_FILE, FATAL_FILE, LOST_CONTACT, PID_FILE, PROGRESS_FILE
 
 # Multicast / NVLS stays off on these machines (see SPEC §9); set for every run.
 RUN_ENV = {
@@ -54,6 +64,10 @@ SHUTDOWN_S = 60.0
 POLL_S = 0.2
 LOG_TAIL_LINES = 8
 MESSAGE_CHARS = 300
+# Written by bench.torchrun when ranks fail: their torch.distributed.elastic failure records.
+FAILURES_FILE = "failures.json"
+# torchrun's log folder (per-rank error files), inside the run folder so it goes with it.
+ELASTIC_DIR = "elastic"
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
@@ -68,7 +82,9 @@ class BenchEvent:
 
     ``kind``: ``info`` (a plain message, e.g. which device), ``start`` (point
     ``index`` began), ``row`` (point ``index`` finished; ``row`` holds it),
-    ``error`` (the run stopped; ``message`` says why).
+    ``error`` (the run stopped; ``message`` says why), ``stopped`` (an exception
+    in the caller's thread, such as Ctrl-C, stopped the run; ``message`` says what
+    was kept; the exception follows).
     """
 
     kind: str
@@ -111,11 +127,12 @@ class BenchResult:
 
 
 def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
-    """``(device kind, number of ranks, a sentence saying what will run)``."""
+    """``(device kind, number of ranks, a sentence saying what will run)``; ``nproc`` is the
+    number of ranks asked for (None: one per GPU, or 2 on CPU)."""
     if device not in ("auto", "cuda", "cpu"):
         raise MegaMoEError(f"device must be auto, cuda or cpu, got {device!r}")
     if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
-        raise MegaMoEError(f"nproc must be a positive integer, got {nproc!r}")
+        raise MegaMoEError(f"the number of ranks must be a positive integer, got {nproc!r}")
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -124,11 +141,77 @@ def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
     if device == "cuda" or (device == "auto" and num_gpus > 0):
         ranks = nproc or num_gpus
         if ranks > num_gpus:
-            raise MegaMoEError(f"nproc={ranks} ranks need {ranks} GPUs, but this machine has {num_gpus}")
+            raise MegaMoEError(f"{ranks} ranks need {ranks} GPUs (one rank per GPU), but this machine has {num_gpus}")
         return "cuda", ranks, f"running {ranks} rank(s) on CUDA, one per GPU (NCCL)"
     ranks = nproc or CPU_RANKS
     why = "no CUDA device found, so " if device == "auto" else ""
     return "cpu", ranks, f"{why}running {ranks} CPU rank(s) with gloo; times are not GPU times"
+
+
+def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -> None:
+    """Refuse, before any rank starts, a backend this machine cannot run, saying why (the
+    ranks would otherwise start, build and fail at every such point).  The fused kernel is
+    sm_90a code: it runs on Hopper GPUs only."""
+    from ..backends import HOPPER_ONLY
+
+    names = sorted({p.backend for p in points} & HOPPER_ONLY)
+    if not names:
+        return
+    which = " and ".join(names)
+    if device_kind != "cuda":
+        raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only, and this run is on CPU ranks; "
+                           "leave it out, or run on a machine with Hopper GPUs")
+    import torch
+
+    for index in range(min(world_size, torch.cuda.device_count())):
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) != (9, 0):
+            raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only; GPU {index} is "
+                               f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})")
+
+
+# What one CPU rank (one core, gloo) takes, measured on the 2-core machine the CPU tests run on.
+# Generating and quantizing one expert weight (every point makes its problem afresh):
+CPU_S_PER_WEIGHT_GENERATED = 40e-9
+# Per backend: seconds per weight of every expert a call reaches (the reference and the unfused
+# pipeline dequantize those experts on every call; torch-bf16 reads its BF16 copy), FLOP/s of
+# its GEMMs, and seconds per local weight spent once in prepare (torch-bf16's BF16 copy).
+CPU_BACKEND_COSTS = {
+    "reference": (42e-9, 6e9, 0.0),
+    "torch": (20e-9, 12e9, 0.0),
+    "torch-bf16": (5e-9, 3.4e9, 35e-9),
+}
+CPU_START_S = 25.0  # torchrun and two ranks importing torch on two cores
+CPU_POINT_S = 3.0  # a point's collectives, bookkeeping and row
+
+
+def estimate_cpu_seconds(points: Sequence[Point], world_size: int) -> float:
+    """A rough wall time for ``points`` on ``world_size`` CPU ranks: each point generates its
+    experts' weights, and every call (warm-up, timed, and the reference check) goes over every
+    expert it reaches.  Within about 30% of what the 2-core CPU test machine measures; meant to
+    tell seconds from hours."""
+    cores = max(1, os.cpu_count() or 1)
+    slowdown = max(1.0, world_size / cores)  # ranks beyond the cores share them
+    total = CPU_START_S
+    for point in points:
+        shape = point.shape
+        local_experts = max(1, shape.num_experts // world_size)
+        expert_weights = 3 * shape.hidden * shape.intermediate
+        tokens = sum(point.tokens_for_rank(r, world_size) for r in range(world_size))
+        pairs_per_rank = tokens * shape.num_topk / world_size
+        reached = local_experts * (1.0 - (1.0 - 1.0 / local_experts) ** pairs_per_rank)
+        flops = 2.0 * pairs_per_rank * expert_weights
+
+        def call_s(backend: str) -> float:
+            per_weight, rate, _ = CPU_BACKEND_COSTS.get(backend, CPU_BACKEND_COSTS["torch"])
+            return reached * expert_weights * per_weight + flops / rate
+
+        calls = point.warmup + point.iters * point.calls_per_sample
+        prepare = local_experts * expert_weights * (
+            CPU_S_PER_WEIGHT_GENERATED + CPU_BACKEND_COSTS.get(point.backend, CPU_BACKEND_COSTS["torch"])[2])
+        check = call_s("reference") if point.check else 0.0
+        total += CPU_POINT_S + slowdown * (prepare + calls * call_s(point.backend) + check)
+    return total
 
 
 def check_points(points: Sequence[Point], world_size: int) -> None:
@@ -156,10 +239,12 @@ def check_points(points: Sequence[Point], world_size: int) -> None:
 
 
 def torchrun_command(nproc: int, plan: Path, rows: Path, run_dir: Path) -> List[str]:
+    run_dir = Path(run_dir)
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "megamoe_cli.bench.torchrun",
+        str(run_dir / FAILURES_FILE),
         "--standalone",
         "--nproc-per-node",
         str(nproc),
@@ -167,6 +252,8 @@ def torchrun_command(nproc: int, plan: Path, rows: Path, run_dir: Path) -> List[
         "0",
         "--monitor-interval",
         "0.5",
+        "--log-dir",
+        str(run_dir / ELASTIC_DIR),
         "-m",
         "megamoe_cli.bench.worker",
         "--plan",
@@ -238,6 +325,69 @@ def worker_pids(run_dir: Path) -> Dict[int, int]:
     return pids
 
 
+def _children(pid: int) -> List[int]:
+    """The processes whose parent is ``pid``, read from /proc (torchrun's ranks are not our
+    children, so they cannot be waited for)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: List[int] = []
+    try:
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.extend(int(child) for child in f.read().split())
+        return found
+    except (OSError, ValueError):
+        found = []  # a thread that just ended, or a kernel without these files: ask every process
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _leads_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+class RunProcesses:
+    """torchrun and the ranks it started, recorded while they can still be found: torchrun
+    starts each rank in a session of its own, so once torchrun is gone (killed, crashed)
+    nothing leads to them but what was recorded here."""
+
+    def __init__(self, proc: subprocess.Popen, run_dir: Path, world_size: int):
+        self.proc = proc
+        self.run_dir = run_dir
+        self.world_size = world_size
+        self.ranks: set = set()
+        self.groups: set = set()  # process groups the ranks lead (a rank's own children are in them)
+
+    def record(self) -> None:
+        found = set(worker_pids(self.run_dir).values())
+        if self.proc.poll() is None:
+            found.update(_children(self.proc.pid))
+        for pid in found - self.ranks:
+            if _alive(pid) and _is_our_worker(pid, self.run_dir):
+                self.ranks.add(pid)
+                if _leads_group(pid):
+                    self.groups.add(pid)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) >= self.world_size
+
+    def alive(self) -> List[int]:
+        return [pid for pid in self.ranks if _alive(pid)]
+
+
 def _signal(pid: int, sig: int, group: bool = False) -> None:
     try:
         if group:
@@ -248,28 +398,68 @@ def _signal(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
-def terminate_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = DEFAULT_GRACE_S) -> None:
-    """SIGTERM torchrun (its process group) and every recorded worker; SIGKILL what is left after ``grace_s``."""
-    workers = [pid for pid in worker_pids(run_dir).values() if _is_our_worker(pid, run_dir)]
+def terminate_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = DEFAULT_GRACE_S,
+                  processes: Optional[RunProcesses] = None) -> None:
+    """SIGTERM torchrun (its process group) and every rank (its process group: a rank's own
+    children go with it); SIGKILL what is left after ``grace_s``.  The ranks are the ones
+    ``processes`` recorded, plus any found now (PID files, torchrun's children), taken before
+    torchrun is signalled: once it exits, its children are no longer its children."""
+    processes = processes or RunProcesses(proc, run_dir, 0)
+    processes.record()
     if proc.poll() is None:
         _signal(proc.pid, signal.SIGTERM, group=True)
-    for pid in workers:
-        if _alive(pid):
+    for pid in processes.ranks:
+        if pid in processes.groups:
+            _signal(pid, signal.SIGTERM, group=True)
+        elif _alive(pid):
             _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None and not any(_alive(pid) for pid in workers):
+        if proc.poll() is not None and not processes.alive():
             break
         time.sleep(0.1)
     if proc.poll() is None:
         _signal(proc.pid, signal.SIGKILL, group=True)
-    for pid in workers:
-        if _alive(pid) and _is_our_worker(pid, run_dir):
+    for pid in processes.ranks:
+        if pid in processes.groups:
+            _signal(pid, signal.SIGKILL, group=True)  # also what the rank started, if it outlived it
+        elif _alive(pid) and _is_our_worker(pid, run_dir):
             _signal(pid, signal.SIGKILL)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
+
+
+class _SignalsHeld:
+    """Holds SIGINT, SIGTERM and SIGHUP while torchrun starts: a Python handler raising between
+    the fork and the line that records torchrun's PID would leave torchrun running with nothing
+    to stop it.  ``deliver()``, called where a stop is handled, raises what was held."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.saved: Dict[int, Any] = {}
+        self.held: List[int] = []
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                handler = signal.getsignal(sig)
+                if callable(handler):  # SIG_DFL and SIG_IGN raise nothing to hold
+                    self.saved[sig] = handler
+                    signal.signal(sig, lambda signum, frame: self.held.append(signum))
+        return self
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+    def deliver(self) -> None:
+        if self.held:
+            signum = self.held[0]
+            self.held.clear()
+            self.saved[signum](signum, None)
 
 
 class _JsonlTail:
@@ -303,30 +493,80 @@ def _fatal_messages(run_dir: Path) -> List[str]:
         except OSError:
             continue
         if text:
-            first = text.splitlines()[0]
-            messages.append(first if len(first) <= MESSAGE_CHARS else first[: MESSAGE_CHARS - 3] + "...")
+            messages.append(_clip(text.splitlines()[0]))
     return messages
 
 
-_EXIT_RE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+def _clip(text: str) -> str:
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
 
 
-def _torchrun_exits(log_text: str) -> List[str]:
-    """'rank R exited with code C' from torchrun's failure summary; exits by a signal
-    (usually torchrun stopping the survivors) come after the ranks that failed first."""
-    exited: Dict[int, str] = {}
-    signalled: Dict[int, str] = {}
-    for rank, code in _EXIT_RE.findall(log_text):
-        code_i = int(code)
-        if code_i < 0:
-            try:
-                name = signal.Signals(-code_i).name
-            except ValueError:
-                name = f"signal {-code_i}"
-            signalled[int(rank)] = f"rank {rank} was stopped by {name}"
-        else:
-            exited[int(rank)] = f"rank {rank} exited with code {code_i}"
-    return [exited[r] for r in sorted(exited)] + [signalled[r] for r in sorted(signalled)]
+# Exception types the worker records for its own failures; their names add nothing to the text.
+_OWN_ERRORS = ("RankFailed", "RankTimeout", "LostPeerError")
+
+
+def rank_failures(run_dir: Path) -> List[Dict[str, Any]]:
+    """The failed ranks' torch.distributed.elastic records (``bench.torchrun``): rank, exit
+    code or signal, the message of the rank's error file, when it failed.  Empty when torchrun
+    saw no failed rank (or was itself stopped before it could say)."""
+    try:
+        records = json.loads((run_dir / FAILURES_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in records if isinstance(r, dict) and "rank" in r] if isinstance(records, list) else []
+
+
+def _secondary(record: Dict[str, Any]) -> bool:
+    """A rank that failed because another did: it lost contact with its peers, or torchrun
+    stopped it (SIGTERM) after the first failure."""
+    message = record.get("message") or ""
+    return record.get("signal") == "SIGTERM" or message.startswith("LostPeerError:") or LOST_CONTACT in message
+
+
+def first_failure(records: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The rank that failed first: the earliest of the ranks that failed on their own account,
+    else the earliest of all.  (torchrun's own pick, the smallest time stamp in whole seconds,
+    ties between a rank that died and the one it left waiting, and names the lower rank.)"""
+    if not records:
+        return None
+    return min(records, key=lambda r: (_secondary(r), r.get("time_ns", 0), r.get("rank", 0)))
+
+
+def describe_failure(record: Dict[str, Any], others: int) -> str:
+    rank = record.get("rank")
+    code = record.get("exitcode", 0)
+    how = f"killed by {record.get('signal') or f'signal {-code}'}" if code < 0 else f"exit code {code}"
+    message = (record.get("message") or "").strip()
+    for name in _OWN_ERRORS:
+        message = message[len(name) + 2:] if message.startswith(f"{name}: ") else message
+    message = message[len(f"rank {rank}: "):] if message.startswith(f"rank {rank}: ") else message
+    first = "failed first" if others else "failed"
+    text = f"rank {rank} {first} ({how}): {_clip(message.splitlines()[0])}" if message else \
+        f"rank {rank} {first} ({how}, no error record)"
+    if others:
+        text += f"; {others} other rank(s) stopped after it"
+    return text
+
+
+def _first_fatal_message(run_dir: Path) -> Optional[str]:
+    """The ranks' own accounts (``fatal.rank<R>.txt``) when torchrun left no failure records
+    (the launcher stopped it at a deadline): the earliest written that is not a lost contact."""
+    found = []
+    for path in run_dir.glob(FATAL_FILE.format(rank="*")):
+        try:
+            text = path.read_text().strip()
+            written = path.stat().st_mtime_ns
+            rank = int(path.name[len(FATAL_FILE.split("{")[0]):].split(".")[0])
+        except (OSError, ValueError):
+            continue
+        if text:
+            found.append((LOST_CONTACT in text, written, rank, text.splitlines()[0]))
+    if not found:
+        return None
+    _, _, rank, text = min(found)
+    text = text[len(f"rank {rank}: "):] if text.startswith(f"rank {rank}: ") else text
+    first = "failed first" if len(found) > 1 else "failed"
+    return f"rank {rank} {first}: {_clip(text)}"
 
 
 def _log_tail(log_path: Path) -> str:
@@ -367,15 +607,20 @@ def run_bench(
     else 2 gloo CPU ranks), ``cuda`` or ``cpu``; ``nproc`` overrides the rank
     count.  ``timeout_s`` caps the whole run (default: only the start-up and
     per-point deadlines).  ``env`` adds environment variables for the ranks.
-    The run folder (plan, rows, torchrun.log) is made under ``run_root``
-    (default: the system temporary folder) and removed after a clean run
-    unless ``keep_run_dir``.  ``plan_extra`` adds sections to the plan the
-    workers read (``megamoe tune`` passes its candidate lists this way).
+    The run folder (plan, rows, torchrun.log, the ranks' failure records) is
+    made under ``run_root`` (default: the system temporary folder) and removed
+    after a run whose every point is ok, unless ``keep_run_dir``; a run with
+    failed points, or one that stopped early, keeps it (``BenchResult.run_dir``).
+    ``plan_extra`` adds sections to the plan the workers read (``megamoe tune``
+    passes its candidate lists this way).
 
     Returns a :class:`BenchResult`; a run that stopped early has status
-    ``failed``, a message naming the point it stopped at, the rows measured
-    before it, and one failed row for the point in flight.  Bad input raises
-    :class:`MegaMoEError` before anything starts.
+    ``failed``, a message naming the point it stopped at and the rank that
+    failed first, the rows measured before it, and one failed row for the
+    point in flight.  Bad input raises :class:`MegaMoEError` before anything
+    starts.  An exception raised in the caller's thread while the ranks run
+    (``KeyboardInterrupt``, including the CLI's SIGTERM and SIGHUP) stops every
+    rank, appends the rows already finished to ``out_path`` and propagates.
     """
     points = list(points)
     device_kind, world_size, note = resolve_device(device, nproc)
@@ -389,12 +634,7 @@ def run_bench(
         if on_event is not None:
             on_event(BenchEvent(kind=kind, total=total, **fields))
 
-    emit("info", message=note)
     run_id = _new_run_id()
-    run_dir = Path(tempfile.mkdtemp(prefix=f"megamoe-bench-{run_id}-", dir=run_root))
-    plan_path = run_dir / "plan.json"
-    rows_path = run_dir / "rows.jsonl"
-    log_path = run_dir / "torchrun.log"
     plan = {
         "run_id": run_id,
         "device": device_kind,
@@ -405,6 +645,11 @@ def run_bench(
     if clash:
         raise MegaMoEError(f"plan_extra may only add sections to the plan, not replace {clash}")
     plan.update(plan_extra or {})
+    emit("info", message=note)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"megamoe-bench-{run_id}-", dir=run_root))
+    plan_path = run_dir / "plan.json"
+    rows_path = run_dir / "rows.jsonl"
+    log_path = run_dir / "torchrun.log"
     plan_path.write_text(json.dumps(plan, indent=1))
 
     rows: List[Dict[str, Any]] = []
@@ -420,6 +665,13 @@ def run_bench(
     started = -1
 
     def take_rows() -> None:
+        # A stop signal raised between reading a row and recording it would lose the row, or
+        # leave it in out_path uncounted: it waits until the rows read are all recorded.
+        with _SignalsHeld() as held:
+            take_rows_now()
+        held.deliver()
+
+    def take_rows_now() -> None:
         nonlocal deadline, waiting_for, started
         for event in progress_tail.read():
             index = int(event["index"])
@@ -443,7 +695,8 @@ def run_bench(
                 waiting_for = f"the ranks did not exit within {wait:g} s of the last point"
             deadline = time.monotonic() + wait + grace_s
 
-    with open(log_path, "wb") as log:
+    held = _SignalsHeld()
+    with held, open(log_path, "wb") as log:
         proc = subprocess.Popen(
             torchrun_command(world_size, plan_path, rows_path, run_dir),
             stdin=subprocess.DEVNULL,
@@ -452,8 +705,12 @@ def run_bench(
             env=run_environment(env),
             start_new_session=True,
         )
+        processes = RunProcesses(proc, run_dir, world_size)
     try:
+        held.deliver()
         while True:
+            if not processes.complete:
+                processes.record()
             take_rows()
             if proc.poll() is not None:
                 break
@@ -472,22 +729,25 @@ def run_bench(
                 stop_reason = f"the run exceeded its timeout of {timeout_s:g} s"
                 break
             time.sleep(POLL_S)
-    except BaseException:
-        terminate_run(proc, run_dir, grace_s)
+    except BaseException as exc:
+        _stop_run(exc, proc, processes, run_dir, grace_s, take_rows, emit, rows, total, out)
         raise
-    if proc.poll() is None or any(_alive(pid) for pid in worker_pids(run_dir).values()):
-        terminate_run(proc, run_dir, grace_s)
+    if proc.poll() is None or any(_alive(pid) for pid in worker_pids(run_dir).values()) or processes.alive():
+        terminate_run(proc, run_dir, grace_s, processes)
     take_rows()
     returncode = proc.returncode
 
     if returncode == 0 and len(rows) >= total and not stop_reason:
-        if not keep_run_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
         failed = sum(1 for r in rows if r.get("status") != STATUS_OK)
         message = f"{len(rows)} point(s) measured" + (f", {failed} failed" if failed else "")
+        kept = keep_run_dir or failed > 0
+        if failed:
+            message += f" (run files kept in {run_dir}: torchrun.log holds every rank's output and tracebacks)"
+        if not kept:
+            shutil.rmtree(run_dir, ignore_errors=True)
         return BenchResult(
             STATUS_OK, message, rows, device_kind, world_size, run_id, out,
-            run_dir if keep_run_dir else None, total, returncode,
+            run_dir if kept else None, total, returncode,
         )
 
     # The point the run stopped at: the first one without a row, unless the
@@ -509,11 +769,38 @@ def run_bench(
     not_run = total - len(rows)
     if not_run:
         message += f"; {not_run} later point(s) not run"
-    message += f" (run files kept in {run_dir})"
+    message += f" (run files kept in {run_dir}: torchrun.log holds every rank's output and tracebacks)"
     emit("error", message=message)
     return BenchResult(
         STATUS_FAILED, message, rows, device_kind, world_size, run_id, out, run_dir, total, returncode
     )
+
+
+def _stop_run(exc: BaseException, proc: subprocess.Popen, processes: RunProcesses, run_dir: Path,
+              grace_s: float, take_rows: Callable[[], None], emit: Callable[..., None],
+              rows: List[Dict[str, Any]], total: int, out: Optional[Path]) -> None:
+    """The caller's thread raised while the run went on (Ctrl-C, a stop signal the CLI turned
+    into an exception, a results file that could not be written): stop every rank, then append
+    the rows rank 0 finished before it stopped, so what was measured is kept.  An interrupted
+    run's folder goes (its rows are in ``out``); another failure's stays, and is named."""
+    terminate_run(proc, run_dir, grace_s, processes)
+    lost = ""
+    try:
+        take_rows()
+    except Exception as error:  # the interruption stays what the caller sees
+        lost = f"; rows after the first {len(rows)} not saved: {error}"
+    if isinstance(exc, KeyboardInterrupt):
+        where = f", in {out}" if out is not None and rows else ""
+        if lost:  # the rows that did not reach ``out`` are still in the run folder's rows.jsonl
+            lost += f" (they are in {run_dir / 'rows.jsonl'})"
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        emit("stopped", message=f"stopped: every rank ended; {len(rows)} of {total} point(s) measured{where}{lost}")
+        return
+    emit("stopped", message=f"stopped by an error: every rank ended; {len(rows)} of {total} point(s) "
+                            f"measured{lost} (run files kept in {run_dir})")
+    if isinstance(exc, MegaMoEError):
+        exc.args = (f"{exc}; the run was stopped (run files kept in {run_dir})",)
 
 
 def _failure_message(
@@ -532,13 +819,14 @@ def _failure_message(
     causes = []
     if stop_reason:
         causes.append(stop_reason)
-    log_text = ""
-    try:
-        log_text = log_path.read_text(errors="replace")
-    except OSError:
-        pass
-    causes.extend(_torchrun_exits(log_text))
-    causes.extend(_fatal_messages(run_dir))
+    records = rank_failures(run_dir)
+    first = first_failure(records)
+    if first is not None:
+        causes.append(describe_failure(first, len(records) - 1))
+    else:
+        fatal = _first_fatal_message(run_dir)
+        if fatal:
+            causes.append(fatal)
     if not causes:
         causes.append(f"torchrun exited with code {returncode}")
         tail = _log_tail(log_path)

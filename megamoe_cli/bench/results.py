@@ -31,6 +31,14 @@ Files are chosen by extension: ``.csv`` (default), ``.jsonl`` or ``.parquet``
 are already there in place: CSV and JSON Lines are appended to (one write per
 batch, flushed and fsync'd); Parquet, which cannot be appended to, is rewritten
 to a temporary file that atomically replaces the old one.
+
+Reading refuses what is not a whole results file, with one ``MegaMoEError`` that
+names the file, the line where there is one, and what to do: a file that is not
+one (not UTF-8, no ``status``/``backend`` columns, another program's JSON Lines),
+and a damaged row (bytes that are not text, a row whose field count differs from
+the header's, a JSON line cut short).  ``check_output_path`` applies the same
+reading to an existing ``--out``, and asks the filesystem whether it may write
+there, before a run starts.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from ..backends import BASELINE_BACKEND
-from ..files import atomic_write
+from ..files import atomic_write, check_writable
 from ..errors import MegaMoEError
 from .envinfo import ENV_COLUMNS, utc_now
 
@@ -234,15 +242,14 @@ def file_format(path: Union[str, Path]) -> str:
 
 
 def check_output_path(path: Union[str, Path]) -> None:
-    """Fail before a run starts if its results could not be written."""
+    """Fail before a run starts if its results could not be written: an unknown format, a
+    folder, a path that cannot be written, or an existing file that is not a whole results
+    file (a damaged row is named by its line; the run would append after it)."""
     path = Path(path)
     fmt = file_format(path)
-    if path.exists() and path.is_dir():
-        raise MegaMoEError(f"{path}: results path is a directory; expected a {fmt} file")
-    if not path.parent.exists():
-        raise MegaMoEError(f"{path}: folder {path.parent} does not exist")
-    if fmt == "csv" and path.exists() and path.stat().st_size:
-        _csv_header(path)
+    check_writable(path, f"{fmt} results file", replaced=fmt == "parquet")
+    if path.exists() and path.stat().st_size:
+        _load(path, foreign_hint="; choose another output file")
 
 
 def _clean(value: Any) -> Any:
@@ -265,19 +272,99 @@ def _csv_cell(value: Any) -> str:
     return str(value)
 
 
-def _csv_header(path: Path) -> List[str]:
-    with open(path, newline="") as f:
-        first = f.readline()
+# What makes a file a results file: every row of every version of the schema has these.
+IDENTITY_COLUMNS = ("status", "backend")
+_CUT_ROW_HINT = "delete that line (a writer killed mid-row leaves such a line)"
+
+
+def _decoded(path: Path, raw: bytes, foreign_hint: str = "") -> str:
+    """``raw`` as UTF-8 text; bytes that are not name their line."""
     try:
-        header = next(csv.reader([first]))
-    except StopIteration:
-        header = []
-    if "status" not in header or "backend" not in header:
-        raise MegaMoEError(
-            f"{path}: not a megamoe results file (its first line has no status/backend columns); "
-            "choose another --out"
-        )
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        what = f"byte 0x{raw[exc.start]:02x} at offset {exc.start} is not UTF-8 text"
+        if line == 1:
+            raise MegaMoEError(f"{path}: not a megamoe results file ({what}){foreign_hint}") from None
+        raise MegaMoEError(f"{path}:{line}: {what}; {_CUT_ROW_HINT}") from None
+
+
+def _csv_records(path: Path, text: str, foreign_hint: str = "") -> tuple:
+    """``(header, rows)`` of a CSV results file; every row has the header's number of fields."""
+    lines = io.StringIO(text, newline="")
+    reader = csv.reader(lines)
+    header: Optional[List[str]] = None
+    rows: List[List[str]] = []
+    start = 1
+    try:
+        for record in reader:
+            if header is None:
+                header = record
+                if not set(IDENTITY_COLUMNS) <= set(header):
+                    raise MegaMoEError(f"{path}: not a megamoe results file (its first line has no "
+                                       f"{'/'.join(IDENTITY_COLUMNS)} columns){foreign_hint}")
+            elif record and len(record) != len(header):
+                raise MegaMoEError(f"{path}:{start}: a row of {len(record)} fields, the header has "
+                                   f"{len(header)}; {_CUT_ROW_HINT}")
+            elif record:
+                rows.append(record)
+            start = reader.line_num + 1
+    except csv.Error as exc:
+        raise MegaMoEError(f"{path}:{start}: not a CSV row ({exc}); {_CUT_ROW_HINT}") from None
+    return header or [], rows
+
+
+def _csv_header(path: Path) -> List[str]:
+    with open(path, "rb") as f:
+        first = f.readline()
+    header, _ = _csv_records(path, _decoded(path, first))
     return header
+
+
+def _jsonl_records(path: Path, text: str, foreign_hint: str = "") -> List[Dict[str, Any]]:
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MegaMoEError(f"{path}:{number}: not a JSON row ({exc.msg}); {_CUT_ROW_HINT}") from None
+        if not isinstance(record, dict) or not set(IDENTITY_COLUMNS) <= set(record):
+            if not records:
+                raise MegaMoEError(f"{path}: not a megamoe results file (line {number} is not a JSON object "
+                                   f"with {'/'.join(IDENTITY_COLUMNS)} fields){foreign_hint}")
+            raise MegaMoEError(f"{path}:{number}: not a result row (no {'/'.join(IDENTITY_COLUMNS)} fields); "
+                               "delete that line")
+        records.append(record)
+    return records
+
+
+def _load(path: Path, foreign_hint: str = ""):
+    """The rows of a results file as a DataFrame of its own columns, or one error naming the file,
+    the line where there is one, and what to do."""
+    import pandas as pd
+
+    fmt = file_format(path)
+    if fmt == "parquet":
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as exc:  # pyarrow raises its own types for every kind of damage
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise MegaMoEError(f"{path}: not a Parquet file pyarrow can read ({reason}){foreign_hint}") from None
+        if not set(IDENTITY_COLUMNS) <= set(frame.columns):
+            raise MegaMoEError(f"{path}: not a megamoe results file (no {'/'.join(IDENTITY_COLUMNS)} "
+                               f"columns){foreign_hint}")
+        return frame
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise MegaMoEError(f"{path}: cannot read the results file ({(exc.strerror or str(exc)).lower()})") from None
+    text = _decoded(path, raw, foreign_hint)
+    if fmt == "csv":
+        header, rows = _csv_records(path, text, foreign_hint)
+        return pd.DataFrame(rows, columns=header, dtype=object).replace({"": None})
+    return pd.DataFrame(_jsonl_records(path, text, foreign_hint))
 
 
 def _append_bytes(path: Path, data: bytes) -> None:
@@ -312,15 +399,18 @@ def append_rows(path: Union[str, Path], rows: Sequence[Row]) -> None:
         unknown = sorted(set(row) - set(COLUMNS))
         if unknown:
             raise MegaMoEError(f"row has columns {unknown} that are not in the schema (results.COLUMNS)")
-    exists = path.exists() and path.stat().st_size > 0
-    if fmt == "jsonl":
-        prefix = "" if not exists or _ends_with_newline(path) else "\n"
-        text = prefix + "".join(row_to_json({k: r.get(k) for k in COLUMNS}) + "\n" for r in rows)
-        _append_bytes(path, text.encode())
-    elif fmt == "csv":
-        _append_csv(path, rows, exists)
-    else:
-        _append_parquet(path, rows, exists)
+    try:
+        exists = path.exists() and path.stat().st_size > 0
+        if fmt == "jsonl":
+            prefix = "" if not exists or _ends_with_newline(path) else "\n"
+            text = prefix + "".join(row_to_json({k: r.get(k) for k in COLUMNS}) + "\n" for r in rows)
+            _append_bytes(path, text.encode())
+        elif fmt == "csv":
+            _append_csv(path, rows, exists)
+        else:
+            _append_parquet(path, rows, exists)
+    except OSError as exc:
+        raise MegaMoEError(f"{path}: cannot write results ({(exc.strerror or str(exc)).lower()})") from None
 
 
 def _append_csv(path: Path, rows: Sequence[Row], exists: bool) -> None:
@@ -341,8 +431,7 @@ def _append_csv(path: Path, rows: Sequence[Row], exists: bool) -> None:
 
 def _rewrite_csv_with_union(path: Path, header: List[str], rows: Sequence[Row]) -> None:
     """An older file with other columns: keep its cells verbatim, add the new columns."""
-    with open(path, newline="") as f:
-        old = list(csv.reader(f))[1:]
+    _, old = _csv_records(path, _decoded(path, path.read_bytes()))
     columns = header + [c for c in COLUMNS if c not in header]
 
     def write(tmp: str) -> None:
@@ -397,35 +486,18 @@ def _to_bool(value: Any) -> Optional[bool]:
 
 
 def read_results(path: Union[str, Path]):
-    """All rows of a results file as a DataFrame with the schema's dtypes."""
-    import pandas as pd
-
+    """All rows of a results file as a DataFrame with the schema's dtypes.  A file that is not a
+    results file, or one with a damaged row, raises ``MegaMoEError`` naming the file and line."""
     path = Path(path)
-    fmt = file_format(path)
+    file_format(path)
     if not path.exists():
         raise MegaMoEError(f"{path}: results file not found")
-    if fmt == "csv":
-        if path.stat().st_size == 0:
-            return _typed(pd.DataFrame(columns=list(COLUMNS)))
-        _csv_header(path)
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    elif fmt == "jsonl":
-        records = []
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise MegaMoEError(f"{path}:{number}: not a JSON row: {exc.msg}") from None
-        frame = pd.DataFrame(records)
-    else:
-        frame = pd.read_parquet(path)
+    if path.is_dir():
+        raise MegaMoEError(f"{path}: is a directory; expected a results file")
+    frame = _load(path)
     for col in COLUMNS:
         if col not in frame:
             frame[col] = None
-    frame = frame.replace({"": None}) if fmt == "csv" else frame
     frame = _typed(frame)
     for col, value in ADDED_COLUMNS.items():
         frame[col] = frame[col].fillna(value)

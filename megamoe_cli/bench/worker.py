@@ -14,6 +14,15 @@ peer died inside a collective, a kernel that never ends) records the point as
 failed, writes ``fatal.rank<R>.txt`` naming the point and phase, and exits
 non-zero instead of hanging.
 
+A rank that cannot go on leaves its account in two places: ``fatal.rank<R>.txt``
+(read by rank 0, to say in the point's row what a lost peer died of, and by the
+launcher while the run is still going) and torch.distributed.elastic's error
+record, the JSON file torchrun names in ``TORCHELASTIC_ERROR_FILE`` (``main`` is
+wrapped in ``@record``; the paths that leave by ``os._exit`` record their own).
+torchrun hands those records to the launcher (``bench.torchrun``), which names
+the rank that failed first from them.  ``RankFailed`` carries a rank's own
+failure, ``LostPeerError`` a rank that only lost contact with a failed peer.
+
 A plan with a ``tune`` section (written by ``megamoe tune``) times each point's candidate
 kernel configs in lockstep instead (``bench.tune.tune_point``); the phases, agreement, watchdog
 and row handling are the same.
@@ -48,7 +57,6 @@ TEST_CRASH_ENV = "MEGAMOE_TEST_CRASH_AT_POINT"
 TEST_FAIL_ENV = "MEGAMOE_TEST_FAIL_AT_POINT"
 TEST_HANG_ENV = "MEGAMOE_TEST_HANG_AT_POINT"
 
-EXIT_FATAL = 2
 EXIT_TIMEOUT = 3
 EXIT_TEST_CRASH = 1
 
@@ -60,6 +68,8 @@ PID_FILE = "rank{rank}.pid"
 FATAL_FILE = "fatal.rank{rank}.txt"
 ENV_FILE = "env.json"
 PROGRESS_FILE = "progress.jsonl"
+# How a rank says it only lost contact with its peers (a consequence of another rank's failure).
+LOST_CONTACT = "lost contact with the other ranks"
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -144,20 +154,37 @@ class Watchdog:
         try:
             self.on_expire(message)
         finally:
-            _fatal(self.run_dir, self.rank, message)
+            _fatal(self.run_dir, self.rank, message, RankTimeout(message))
             os._exit(EXIT_TIMEOUT)
 
 
-def _fatal(run_dir: Path, rank: int, message: str) -> None:
+class RankFailed(Exception):
+    """This rank cannot go on; the message is the whole account: rank, point, phase, cause."""
+
+
+class RankTimeout(RankFailed):
+    """This rank's watchdog expired."""
+
+
+class LostPeerError(Exception):
+    """The ranks lost each other in the middle of a point (a peer died or hung)."""
+
+
+def _fatal(run_dir: Path, rank: int, message: str, record: Optional[BaseException] = None) -> None:
+    """Say why this rank stops; ``record``: also write it as the elastic error record, for a
+    path that leaves by ``os._exit``, where ``@record`` on ``main`` never sees an exception."""
     print(f"megamoe worker: {message}", file=sys.stderr, flush=True)
     try:
         _write_text_atomic(run_dir / FATAL_FILE.format(rank=rank), message + "\n")
     except OSError:
         pass
+    if record is not None:
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-
-class LostPeerError(Exception):
-    """The ranks lost each other in the middle of a point (a peer died or hung)."""
+            get_error_handler().record_exception(record)
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
 
 
 def _peer_fatal_messages(run_dir: Path, rank: int, world_size: int, wait_s: float) -> List[str]:
@@ -241,7 +268,7 @@ class Worker:
             self.dist.all_gather_object(out, value, group=self.group)
         except Exception as exc:
             raise LostPeerError(
-                f"lost contact with the other ranks in phase {self.watchdog.phase}: {type(exc).__name__}: {exc}"
+                f"{LOST_CONTACT} in phase {self.watchdog.phase}: {type(exc).__name__}: {exc}"
             ) from exc
         return out
 
@@ -277,7 +304,7 @@ class Worker:
                 _append_line(self.run_dir / PROGRESS_FILE, json.dumps({"event": "start", "index": index}))
             if _test_hook(TEST_CRASH_ENV, index, self.rank, self.world_size):
                 message = f"rank {self.rank}: test hook {TEST_CRASH_ENV}={index}: exiting at point {index}"
-                _fatal(self.run_dir, self.rank, message)
+                _fatal(self.run_dir, self.rank, message, RankFailed(message))
                 os._exit(EXIT_TEST_CRASH)
             self.current = (index, point)
             self.watchdog.arm(f"point {index} ({point.describe()})", point.timeout_s)
@@ -454,7 +481,7 @@ def _merge_errors(errors: List[Optional[str]]) -> str:
     return "; ".join(parts)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _entry_point(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megamoe_cli.bench.worker")
     parser.add_argument("--plan", required=True, type=Path)
     parser.add_argument("--rows", required=True, type=Path)
@@ -475,18 +502,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         worker.watchdog.disarm()
         return 0
     except BaseException as exc:
-        traceback.print_exc(file=sys.stderr)
         where = ""
         if worker is not None and worker.current is not None:
             index, point = worker.current
             where = f"point {index} ({point.describe()}): "
-        text = f"{where}{exc}" if isinstance(exc, LostPeerError) else f"{where}{type(exc).__name__}: {exc}"
-        _fatal(run_dir, rank, f"rank {rank}: {text}")
+        lost = isinstance(exc, LostPeerError)
+        message = f"rank {rank}: {where}{exc}" if lost else f"rank {rank}: {where}{type(exc).__name__}: {exc}"
+        _fatal(run_dir, rank, message)
         if worker is not None and worker.current is not None and worker.sink is not None:
             causes = _peer_fatal_messages(run_dir, rank, worker.world_size, PEER_FATAL_WAIT_S)
-            message = "; ".join(causes + [f"rank {rank}: {text}"])
-            worker._record_in_flight_failure(message[:MAX_ERROR_CHARS], prefix="")
-        return EXIT_FATAL
+            if causes and lost:
+                # The peer's account is the cause; how this rank noticed (gloo's socket error text)
+                # stays in its own error record and in torchrun.log.
+                error = "; ".join(causes) + f" (rank {rank} lost contact with it in phase {worker.watchdog.phase})"
+            else:
+                error = "; ".join(causes + [message])
+            worker._record_in_flight_failure(error[:MAX_ERROR_CHARS], prefix="")
+        if not isinstance(exc, Exception):
+            raise
+        # Raised out of the @record entry point: written as this rank's elastic error record,
+        # with the original exception's traceback chained to it.
+        raise (LostPeerError if lost else RankFailed)(message) from exc
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The entry point under ``@record``: torchrun names this rank's error file in
+    ``TORCHELASTIC_ERROR_FILE``, and ``record`` writes an exception that escapes the entry point
+    there (message, traceback, time) before the process exits.  (Applied here, not at import,
+    so importing this module for its constants does not import torch.)"""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_entry_point)(argv)
 
 
 if __name__ == "__main__":

@@ -40,21 +40,25 @@ class NameList(click.ParamType):
         return items
 
 
-def shape_options(command):
-    """``--preset --hidden --intermediate --experts --topk`` (explicit flags override the preset)."""
+def shape_options(preset_default: str = "deepseek-v3"):
+    """``--preset --hidden --intermediate --experts --topk`` (explicit flags override the preset);
+    ``preset_default`` is what the help says a command uses without ``--preset``."""
     from ..layout import PRESETS
 
-    decorators = [
-        click.option("--preset", type=click.Choice(sorted(PRESETS)),
-                     help="Model shape (default deepseek-v3); the flags below override its fields."),
-        click.option("--hidden", type=int, help="Hidden size, a multiple of 128."),
-        click.option("--intermediate", type=int, help="Expert intermediate size, a multiple of 128."),
-        click.option("--experts", "num_experts", type=int, help="Number of experts."),
-        click.option("--topk", "num_topk", type=int, help="Experts per token."),
-    ]
-    for decorator in reversed(decorators):
-        command = decorator(command)
-    return command
+    def decorate(command):
+        decorators = [
+            click.option("--preset", type=click.Choice(sorted(PRESETS)),
+                         help=f"Model shape (default {preset_default}); the flags below override its fields."),
+            click.option("--hidden", type=int, help="Hidden size, a multiple of 128."),
+            click.option("--intermediate", type=int, help="Expert intermediate size, a multiple of 128."),
+            click.option("--experts", "num_experts", type=int, help="Number of experts."),
+            click.option("--topk", "num_topk", type=int, help="Experts per token."),
+        ]
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return decorate
 
 
 def resolve_shape(preset, hidden, intermediate, num_experts, num_topk, default_preset="deepseek-v3"):

@@ -35,14 +35,20 @@ def _backend_names():
     return BACKENDS
 
 
+# A run on CPU ranks estimated past this says so before it starts (the default CPU run takes
+# about half a minute; a DeepSeek-V3 point, tens of minutes).
+LONG_CPU_RUN_S = 300.0
+
+
 @click.command()
 @click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False),
               help="A sweep YAML file (see sweeps/); replaces the point flags below.")
-@shape_options
+@shape_options(preset_default=f"{DEFAULTS['cuda']['preset']} on a GPU machine, {DEFAULTS['cpu']['preset']} without one")
 @click.option("--tokens", "num_tokens", type=IntList(),
-              help="Tokens per rank, comma-separated (default per device: see below).")
+              help="Tokens per rank, comma-separated (default per device: see the text above).")
 @click.option("--backend", "backends", type=NameList(_backend_names()),
-              help="Backends to run, comma-separated: fused, torch, torch-bf16, reference.")
+              help=f"Backends to run, comma-separated: {', '.join(_backend_names())} (default per device: see the "
+                   "text above; fused and fused-graph need Hopper GPUs).")
 @click.option("--block-m", "block_m", type=IntList(), help="Fused kernel block_m values to sweep.")
 @click.option("--warmup", type=int, help="Untimed calls before timing (default 5).")
 @click.option("--iters", type=int, help="Timed calls per point; the median is reported (default 20).")
@@ -53,18 +59,18 @@ def _backend_names():
 @click.option("--check/--no-check", default=True, help="Compare every output with the reference (default on).")
 @click.option("--flush-l2", is_flag=True, help="Flush the L2 cache before every timed sample (one call unless --calls-per-sample).")
 @click.option("--point-timeout", type=float, help="Seconds one point may take before its ranks are stopped.")
-@click.option("--ranks", "nproc", type=int, help="Number of ranks (default: every GPU, or 2 on CPU).")
+@click.option("--ranks", "ranks", type=int, help="Number of ranks (default: every GPU, or 2 on CPU).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="auto: CUDA when torch sees a GPU, else CPU ranks with gloo.")
 @click.option("--timeout", "run_timeout", type=float, help="Seconds the whole run may take.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=DEFAULT_OUT, show_default=True,
-              help="Results file rows are appended to (.csv, .jsonl or .parquet).")
+              help="Results file rows are appended to (.csv, .jsonl or .parquet); checked before the run starts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as a JSON array on stdout.")
 @click.option("--tuned-config", "tuned_config", type=click.Path(dir_okay=False),
               help="Tuned config file the fused backend reads (default: $MEGAMOE_TUNED_CONFIG or "
                    "~/.cache/megamoe/tuned.json), e.g. one written by `megamoe tune --config-file`.")
 def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_tokens, backends, block_m,
-          warmup, iters, calls_per_sample, seed, check, flush_l2, point_timeout, nproc, device, run_timeout,
+          warmup, iters, calls_per_sample, seed, check, flush_l2, point_timeout, ranks, device, run_timeout,
           out_path, as_json, tuned_config):
     """Benchmark the MoE layer: fused kernel vs the unfused PyTorch pipeline, launched with torchrun.
 
@@ -74,7 +80,17 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
     \b
     With no flags: on a GPU machine, deepseek-v3 at 8,128,1024,8192 tokens per rank with the
     fused and torch backends on every GPU; without a GPU, the small preset at 16,128 tokens per
-    rank with the torch and reference backends on 2 CPU ranks.
+    rank with the torch and reference backends on 2 CPU ranks.  A run the CPU ranks would take
+    long over (a larger preset, more tokens) says so at the start, with a rough time.
+
+    \b
+    Exit status:
+      0    every point measured
+      3    the run finished, but some points failed (their rows' error column says why)
+      2    bad input or file, or the run stopped early (the error line names the point and
+           the rank that failed first, and where the run files are kept)
+      128+N  stopped by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129): every rank is
+           stopped, and the rows measured before it are in --out
 
     \b
     Examples:
@@ -85,8 +101,9 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
     """
     from pathlib import Path
 
-    from ..bench.launcher import resolve_device, run_bench
+    from ..bench.launcher import check_backends, check_points, resolve_device, run_bench
     from ..bench.results import check_output_path, file_format
+    from ..errors import MegaMoEError
     from ._console import stderr_console
 
     ctx = click.get_current_context()
@@ -97,30 +114,34 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
         flags = ", ".join(spelled[name] for name in given)
         raise click.UsageError(f"--sweep replaces the point flags; drop {flags} or the sweep file")
 
-    if tuned_config is not None:
-        from .. import tuned
-
-        path = Path(tuned_config).expanduser()
-        if not path.is_file():
-            raise click.BadParameter(f"no such file: {path}", param_hint="--tuned-config")
-        tuned.load(path)  # a broken store is named here, before any rank starts
-        os.environ[tuned.ENV_VAR] = str(path.resolve())  # the ranks inherit it
+    console = stderr_console()
     out = Path(out_path)
     file_format(out)
-    device_kind, world_size, _ = resolve_device(device, nproc)
+    device_kind, world_size, _ = resolve_device(device, ranks)
     if sweep_file:
         from ..bench.sweep import load_sweep
 
         sweep = load_sweep(sweep_file)
     else:
         sweep = _sweep_from_flags(device_kind, given)
-    # Only a run that can start creates the results folder (a refused flag leaves nothing behind).
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_points(sweep.points, world_size)
+    check_backends(sweep.points, device_kind, world_size)
+    _check_tuned_config(tuned_config, sweep.points, console)
+    # Only a run that can start creates the results folder (a refused flag leaves nothing behind),
+    # and the results file is checked before the first point runs, not after it.
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MegaMoEError(f"{out}: cannot create its folder {out.parent} "
+                           f"({(exc.strerror or type(exc).__name__).lower()})") from None
     check_output_path(out)
 
-    console = stderr_console()
     if not sweep_file and not given:
         console.print(_default_note(device_kind, world_size), style="bold yellow", highlight=False)
+    if device_kind == "cpu":
+        note = _long_cpu_run_note(sweep.points, world_size)
+        if note:
+            console.print(note, style="bold yellow", highlight=False)
     result = _run(console, run_bench, sweep.points, nproc=world_size, out_path=out, device=device_kind,
                   timeout_s=run_timeout)
 
@@ -129,20 +150,71 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
 
         sys.stdout.write("[\n" + ",\n".join(row_to_json(row) for row in result.rows) + "\n]\n")
     if result.rows:
-        from ..bench.results import summary
+        from ..bench.results import STATUS_OK, summary
         from ._tables import rich_table
 
-        console.print(rich_table(summary(result.frame()), title=f"{sweep.name}: {result.message}"))
+        ok = sum(1 for row in result.rows if row.get("status") == STATUS_OK)
+        state = "" if result.ok else ", run stopped"
+        title = f"{sweep.name}: {ok} of {result.num_points} point(s) ok{state}"
+        console.print(rich_table(summary(result.frame()), title=title))
         console.print(f"rows appended to {out} (run {result.run_id})", highlight=False)
     if not result.ok:
-        from ..errors import MegaMoEError
-
         raise MegaMoEError(result.message)
     if result.num_failed_rows:
-        console.print(
-            f"{result.num_failed_rows} of {len(result.rows)} points failed; their error column says why",
-            style="yellow",
-        )
+        from . import PointsFailed
+
+        kept = f"; run files kept in {result.run_dir}" if result.run_dir is not None else ""
+        raise PointsFailed(f"{result.num_failed_rows} of {len(result.rows)} points failed; the error column of "
+                           f"their rows says why{kept}")
+
+
+def _check_tuned_config(tuned_config, points, console) -> None:
+    """The tuned config the fused backend will read, checked before any rank starts: the file
+    --tuned-config names, else the one $MEGAMOE_TUNED_CONFIG names, else (when a point runs the
+    fused kernel) the default store.  The ranks inherit the choice."""
+    from pathlib import Path
+
+    from .. import tuned
+    from ..backends import HOPPER_ONLY
+
+    if tuned_config is not None:
+        path = Path(tuned_config).expanduser()
+        if not path.is_file():
+            raise click.BadParameter(f"no such file: {path}", param_hint="--tuned-config")
+        tuned.load(path)
+        os.environ[tuned.ENV_VAR] = str(path.resolve())
+        return
+    named = tuned.check_named_store()
+    fused = any(point.backend in HOPPER_ONLY for point in points)
+    if named is not None:
+        if fused and not named.exists():
+            console.print(f"${tuned.ENV_VAR} names {named}, which does not exist: the fused backend uses its "
+                          "analytic default configs", style="yellow", highlight=False)
+    elif fused:
+        tuned.load(tuned.default_path())
+
+
+def _long_cpu_run_note(points, world_size: int):
+    """A warning with a rough time when CPU ranks will take long over these points."""
+    from ..bench.launcher import estimate_cpu_seconds
+
+    seconds = estimate_cpu_seconds(points, world_size)
+    if seconds < LONG_CPU_RUN_S:
+        return None
+    biggest = max(points, key=lambda p: p.num_experts * p.hidden * p.intermediate // world_size)
+    weights = 3 * biggest.hidden * biggest.intermediate * max(1, biggest.num_experts // world_size)
+    name = biggest.preset or f"{biggest.hidden}/{biggest.intermediate}/{biggest.num_experts}"
+    return (f"this run takes roughly {_duration(seconds)} on {world_size} CPU ranks (a rough estimate): "
+            f"{len(points)} point(s), {name} with {weights / 1e9:.2g} G expert weights per rank, generated for "
+            "every point and dequantized on every call; the small preset takes seconds, and GPU numbers need a GPU")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _sweep_from_flags(device_kind: str, given: dict):
@@ -193,6 +265,8 @@ def _run(console, run_bench, points, **kwargs):
         def on_event(event):
             if event.kind == "info":
                 progress.console.print(event.message, highlight=False)
+            elif event.kind == "stopped":
+                progress.console.print(event.message, style="yellow", highlight=False, markup=False)
             elif event.kind == "start":
                 progress.update(task, description=f"point {event.index + 1}: {event.point.describe()}")
             elif event.kind == "row":

@@ -1,4 +1,4 @@
-"""``megamoe report``: a results file as a table (rich or markdown) and a latency plot.
+"""``megamoe report``: a results file as a table (rich or markdown) and, when asked, a latency plot.
 
 Thin: reading and the summary view (speedup against the unfused baseline of the same run) belong
 to ``megamoe_cli.bench.results``; this module only formats.
@@ -17,11 +17,14 @@ import click
 @click.argument("results_file", type=click.Path(dir_okay=False))
 @click.option("--markdown", is_flag=True, help="Print the table as markdown on stdout.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary rows as JSON on stdout.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Where to write the latency plot (default: the results file with a .png suffix).")
-@click.option("--no-plot", is_flag=True, help="Do not write a plot.")
-def report(results_file, markdown, as_json, plot_path, no_plot):
-    """Render a results file: summary table and a latency-vs-tokens plot per backend.
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write a latency-vs-tokens plot to FILE (.png, .svg, .pdf, ...; needs matplotlib). "
+                   "Without it, no file is written.")
+def report(results_file, markdown, as_json, plot_path):
+    """Render a results file: the summary table and, with --plot FILE, a latency plot per backend.
+
+    Reads .csv, .jsonl and .parquet files written by `megamoe bench`.  A file that is not one, or
+    has a damaged row, is named with its line in one error line (exit status 2).
 
     \b
     Examples:
@@ -34,11 +37,9 @@ def report(results_file, markdown, as_json, plot_path, no_plot):
     from ._console import stderr_console
     from ._tables import markdown_table, plain, rich_table
 
-    if plot_path and no_plot:
-        raise click.UsageError("--plot and --no-plot contradict each other")
-    can_plot = _have_matplotlib()
-    if plot_path and not can_plot:
-        raise MegaMoEError("--plot needs matplotlib (pip install matplotlib)")
+    target = Path(plot_path) if plot_path else None
+    if target is not None:
+        _check_plot_target(target)
     path = Path(results_file)
     frame = read_results(path)
     if frame.empty:
@@ -59,24 +60,34 @@ def report(results_file, markdown, as_json, plot_path, no_plot):
             style="red", highlight=False, markup=False,
         )
 
-    if no_plot:
+    if target is None:
         return
-    if not can_plot:
-        console.print("no plot: matplotlib is not installed (pip install matplotlib)", style="yellow")
-        return
-    target = Path(plot_path) if plot_path else path.with_suffix(".png")
     if _plot(frame, target):
         console.print(f"plot: {target}", highlight=False)
     else:
         console.print("no plot: no successful rows to plot", style="yellow")
 
 
-def _have_matplotlib() -> bool:
+def _check_plot_target(target: Path) -> None:
+    """Before anything is read or drawn: matplotlib is there, knows the format, and the file can be written."""
+    from ..errors import MegaMoEError
+    from ..files import check_writable
+
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure
     except ImportError:
-        return False
-    return True
+        raise MegaMoEError("--plot needs matplotlib (pip install matplotlib)") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = target.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise MegaMoEError(f"{target}: matplotlib cannot write {('.' + suffix) if suffix else 'a file without a suffix'}"
+                           f"; give the plot one of {', '.join('.' + f for f in sorted(formats))}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MegaMoEError(f"{target}: cannot create its folder {target.parent} "
+                           f"({(exc.strerror or type(exc).__name__).lower()})") from None
+    check_writable(target, "plot", replaced=True)
 
 
 def _plot(frame, target: Path) -> bool:
@@ -122,7 +133,6 @@ def _plot(frame, target: Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=120)
     plt.close(fig)
     return True

@@ -52,7 +52,7 @@ class SmsList(click.ParamType):
 @click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False),
               help="A tune sweep YAML file (see sweeps/tune_*.yaml); replaces the point flags below "
                    "(--block-m, --stages, --cluster-m and --sms replace its candidate dimensions).")
-@shape_options
+@shape_options()
 @click.option("--tokens", "num_tokens", type=IntList(),
               help="Tokens per rank to tune for, each at its power-of-two bucket's upper edge "
                    "(default 128,1024,8192).")
@@ -87,6 +87,11 @@ def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_to
     soon as the point finishes.  `megamoe bench` then uses it without flags.
 
     \b
+    Exit status: 0 every point saved a winner; 3 some points saved nothing (their tables
+    say why); 2 bad input or file, or the run stopped early; 128+N stopped by signal N
+    (SIGINT 130, SIGTERM 143, SIGHUP 129), every rank stopped, the winners saved so far kept.
+
+    \b
     Examples:
       megamoe tune --sweep sweeps/tune_decode.yaml
       megamoe tune --preset deepseek-v3 --ranks 8 --tokens 128,8192 --sms all,128,120,112
@@ -116,11 +121,12 @@ def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_to
         values = {name: given.get(name) for name in POINT_FLAGS if name not in ("num_tokens", "point_timeout")}
         sweep = library.tune_sweep_from_flags(num_tokens=given.get("num_tokens", DEFAULT_TOKENS),
                                               timeout_s=given.get("point_timeout"), **values, **spans)
+    target = Path(path).expanduser() if path else tuned.default_path()
     if not dry_run:
+        _check_store(target, named_by="--config-file" if path else None)
         _require_gpu()
 
     console = stderr_console()
-    target = Path(path) if path else tuned.default_path()
     result = library.run_tune(sweep, world_size=ranks, path=target, gpu=gpu, dry_run=dry_run, timeout_s=run_timeout,
                               progress=lambda message: console.print(message, highlight=False, markup=False))
     for outcome in result.outcomes:
@@ -138,8 +144,38 @@ def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_to
     console.print(result.message, highlight=False, markup=False)
     unsaved = [o for o in result.outcomes if o.status == "failed"]
     if unsaved:
-        console.print(f"{len(unsaved)} of {len(result.outcomes)} points saved nothing; their tables say why",
-                      style="yellow")
+        from . import PointsFailed
+
+        raise PointsFailed(f"{len(unsaved)} of {len(result.outcomes)} points saved nothing; their tables say why")
+
+
+def _check_store(target, named_by) -> None:
+    """The tuned config the winners are merged into, checked before anything is built or run: it
+    must read as a store (or not exist yet), and its folder must take new files (the store is
+    replaced by a rename, beside its lock file), or be one that can be created."""
+    import os
+
+    from .. import tuned
+    from ..errors import MegaMoEError
+    from ..files import check_writable
+
+    if named_by is None and os.environ.get(tuned.ENV_VAR):
+        tuned.check_named_store()  # the message names the variable
+    else:
+        if target.is_dir():
+            raise MegaMoEError(f"{named_by or 'the tuned config'} {target} is a directory; it must name a file")
+        tuned.load(target)
+    folder = target.parent
+    if folder.exists():
+        check_writable(target, "tuned config", replaced=True)
+        return
+    # merge_and_save creates the missing folders: the nearest existing one must take a new entry.
+    missing = folder
+    while not missing.parent.exists():
+        missing = missing.parent
+    if not missing.parent.is_dir():
+        raise MegaMoEError(f"{target}: {missing.parent} is not a folder")
+    check_writable(missing, f"tuned config's folder {folder}")
 
 
 def _require_gpu() -> None:
