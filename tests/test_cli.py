@@ -103,6 +103,11 @@ def test_sizes_json_equals_layout():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     fit = data.pop("fit")
+    # one rank's 128 experts x 3 x 7168 x 2048 weights: a byte each plus FP32 scales per 128x128
+    # block as FP8, half a byte plus a byte per 32 as MXFP4
+    weights = 128 * 3 * 7168 * 2048
+    assert data.pop("weight_bytes") == {"fp8": weights + weights // 16384 * 4, "fp4": weights // 2 + weights // 32}
+    assert data.pop("weights") == "fp8"
     layout = _layout("deepseek-v3", 2, 8192)
     assert data == layout.to_dict()
     assert fit["gpu"] == "H200"
@@ -855,3 +860,15 @@ def test_readme_documents_what_the_help_says():
 def test_a_rank_count_error_names_ranks_not_nproc():
     assert_one_line_error(run("bench", "--device", "cpu", "--ranks", "0"),
                           "the number of ranks must be a positive integer, got 0")
+
+
+def test_weight_format_flags_reach_sizes_and_bench_points():
+    result = run("sizes", "--preset", "deepseek-v4-pro", "--ranks", "2", "--tokens", "128", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["weights"] == "fp4"  # the preset's own
+    result = run("sizes", "--preset", "deepseek-v4-pro", "--weights", "fp8", "--ranks", "2", "--tokens", "128", "--json")
+    assert json.loads(result.stdout)["weights"] == "fp8"
+    result = run("sizes", "--preset", "deepseek-v3", "--weights", "fp8,fp4", "--ranks", "2", "--tokens", "128")
+    assert result.exit_code == 2 and "--weights takes one format here" in result.output
+    result = run("sizes", "--preset", "deepseek-v3", "--weights", "fp6", "--ranks", "2", "--tokens", "128")
+    assert result.exit_code == 2 and "fp6" in result.output

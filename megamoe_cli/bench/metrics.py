@@ -42,8 +42,11 @@ I64_BYTES = 8
 
 
 def expert_weight_bytes(shape: MoEShape) -> int:
-    """FP8 L1 + L2 weights of one expert plus their per-128x128 FP32 scales."""
+    """L1 + L2 weights of one expert as the layer reads them: FP8 plus their per-128x128 FP32
+    scales, or MXFP4 (half a byte per weight plus a byte per 32)."""
     h, i = shape.hidden, shape.intermediate
+    if shape.weights == "fp4":
+        return 3 * h * i // 2 + 3 * h * i // 32
     w1 = 2 * i * h * FP8_BYTES + (2 * i // SCALE_BLOCK) * (h // SCALE_BLOCK) * F32_BYTES
     w2 = h * i * FP8_BYTES + (h // SCALE_BLOCK) * (i // SCALE_BLOCK) * F32_BYTES
     return w1 + w2

@@ -66,6 +66,8 @@ COLUMNS = (
     "sweep",
     "preset",
     *SHAPE_COLUMNS,
+    "weights",
+    "activation_clamp",
     "num_tokens",
     "num_tokens_min",
     "num_tokens_max",
@@ -115,6 +117,7 @@ FLOAT_COLUMNS = (
     "floor_fraction",
     "rel_err",
     "rel_err_layer",
+    "activation_clamp",
 )
 INT_COLUMNS = (
     *SHAPE_COLUMNS,
@@ -138,6 +141,8 @@ BOOL_COLUMNS = ("flush_l2", "inputs_copy_timed", "git_dirty")
 PROBLEM_COLUMNS = (
     "run_id",
     *SHAPE_COLUMNS,
+    "weights",
+    "activation_clamp",
     "num_tokens",
     "num_tokens_min",
     "num_tokens_max",
@@ -148,7 +153,7 @@ PROBLEM_COLUMNS = (
 
 # Columns added after results files were written, with the value every older row was measured with;
 # reading fills it into rows that lack one.
-ADDED_COLUMNS = {"calls_per_sample": 1}
+ADDED_COLUMNS = {"calls_per_sample": 1, "weights": "fp8", "activation_clamp": 0.0}
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".parquet": "parquet"}
 
@@ -184,6 +189,8 @@ def make_row(
         "intermediate": point.intermediate,
         "num_experts": point.num_experts,
         "num_topk": point.num_topk,
+        "weights": point.weights,
+        "activation_clamp": point.activation_clamp,
         "num_tokens": max(tokens),
         "num_tokens_min": min(tokens),
         "num_tokens_max": max(tokens),
@@ -549,7 +556,13 @@ def summary(frame):
     def shape_name(row) -> str:
         if row["preset"]:
             return row["preset"]
-        return f"{row['hidden']}/{row['intermediate']}/{row['num_experts']}/top-{row['num_topk']}"
+        name = f"{row['hidden']}/{row['intermediate']}/{row['num_experts']}/top-{row['num_topk']}"
+        if row.get("weights") == "fp4":
+            name += " fp4"
+        clamp = row.get("activation_clamp")
+        if isinstance(clamp, float) and clamp > 0:
+            name += f" clamp {clamp:g}"
+        return name
 
     frame["shape"] = frame.apply(shape_name, axis=1) if len(frame) else []
     columns = list(SUMMARY_COLUMNS)

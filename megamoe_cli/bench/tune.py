@@ -369,6 +369,8 @@ def tune_sweep_from_flags(
     intermediate: Optional[int] = None,
     num_experts: Optional[int] = None,
     num_topk: Optional[int] = None,
+    weights: Optional[Sequence[str]] = None,
+    activation_clamp: Optional[float] = None,
     block_m: Optional[Sequence[int]] = None,
     num_stages: Optional[Sequence[int]] = None,
     cluster_m: Optional[Sequence[int]] = None,
@@ -383,10 +385,14 @@ def tune_sweep_from_flags(
     """A tune sweep from command-line values, through the same validator as files."""
     shape: Dict[str, Any] = {"preset": preset or "deepseek-v3"}
     for key, value in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts),
-                       ("num_topk", num_topk)):
+                       ("num_topk", num_topk), ("activation_clamp", activation_clamp)):
         if value is not None:
             shape[key] = value
+    if weights is not None and len(weights) == 1:
+        shape["weights"] = weights[0]
     doc: Dict[str, Any] = {"name": name, "shape": shape, "num_tokens": list(num_tokens)}
+    if weights is not None and len(weights) > 1:
+        doc["weights"] = list(weights)
     if block_m:
         doc["block_m"] = list(block_m)
     spans = (("num_stages", num_stages), ("cluster_m", cluster_m), ("num_sms", num_sms))

@@ -53,6 +53,11 @@ def shape_options(preset_default: str = "deepseek-v3"):
             click.option("--intermediate", type=int, help="Expert intermediate size, a multiple of 128."),
             click.option("--experts", "num_experts", type=int, help="Number of experts."),
             click.option("--topk", "num_topk", type=int, help="Experts per token."),
+            click.option("--weights", type=NameList(("fp8", "fp4")),
+                         help="Expert weight format(s): fp8 (e4m3, 128x128 scales) or fp4 (MXFP4); "
+                              "default: the preset's (fp4 for deepseek-v4-*). fp8,fp4 runs both side by side."),
+            click.option("--activation-clamp", type=click.FloatRange(min=0),
+                         help="SwiGLU clamp (gate <= c, -c <= up <= c; 0: none); default: the preset's."),
         ]
         for decorator in reversed(decorators):
             command = decorator(command)
@@ -61,11 +66,15 @@ def shape_options(preset_default: str = "deepseek-v3"):
     return decorate
 
 
-def resolve_shape(preset, hidden, intermediate, num_experts, num_topk, default_preset="deepseek-v3"):
-    """The MoE shape of a preset with explicit fields overriding it."""
+def resolve_shape(preset, hidden, intermediate, num_experts, num_topk, default_preset="deepseek-v3", weights=None,
+                  activation_clamp=None):
+    """The MoE shape of a preset with explicit fields overriding it (``weights``: one format)."""
     from ..layout import MoEShape
     from ..layout import preset as preset_shape
 
+    if weights is not None and len(weights) != 1:
+        raise click.UsageError(f"--weights takes one format here, got {','.join(weights)}")
     base = vars(preset_shape(preset or default_preset))
-    overrides = {"hidden": hidden, "intermediate": intermediate, "num_experts": num_experts, "num_topk": num_topk}
+    overrides = {"hidden": hidden, "intermediate": intermediate, "num_experts": num_experts, "num_topk": num_topk,
+                 "weights": weights[0] if weights else None, "activation_clamp": activation_clamp}
     return MoEShape(**{**base, **{k: v for k, v in overrides.items() if v is not None}})

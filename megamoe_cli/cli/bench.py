@@ -25,7 +25,8 @@ DEFAULTS = {
 }
 
 # Flags that describe points; they cannot be mixed with --sweep.
-POINT_FLAGS = ("preset", "hidden", "intermediate", "num_experts", "num_topk", "num_tokens", "backends",
+POINT_FLAGS = ("preset", "hidden", "intermediate", "num_experts", "num_topk", "weights", "activation_clamp",
+               "num_tokens", "backends",
                "block_m", "warmup", "iters", "calls_per_sample", "seed", "check", "flush_l2", "point_timeout")
 
 
@@ -69,7 +70,8 @@ LONG_CPU_RUN_S = 300.0
 @click.option("--tuned-config", "tuned_config", type=click.Path(dir_okay=False),
               help="Tuned config file the fused backend reads (default: $MEGAMOE_TUNED_CONFIG or "
                    "~/.cache/megamoe/tuned.json), e.g. one written by `megamoe tune --config-file`.")
-def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_tokens, backends, block_m,
+def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens,
+          backends, block_m,
           warmup, iters, calls_per_sample, seed, check, flush_l2, point_timeout, ranks, device, run_timeout,
           out_path, as_json, tuned_config):
     """Benchmark the MoE layer: fused kernel vs the unfused PyTorch pipeline, launched with torchrun.
@@ -96,6 +98,7 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_t
     Examples:
       megamoe bench
       megamoe bench --preset deepseek-v3 --ranks 8 --tokens 128,1024,8192 --backend fused,torch
+      megamoe bench --preset deepseek-v3 --weights fp8,fp4 --tokens 1,128,8192 --backend fused,torch
       megamoe bench --sweep sweeps/decode.yaml --out results/decode.csv
       megamoe bench --device cpu --preset small --tokens 64 --json
     """
@@ -230,6 +233,8 @@ def _sweep_from_flags(device_kind: str, given: dict):
         intermediate=given.get("intermediate"),
         num_experts=given.get("num_experts"),
         num_topk=given.get("num_topk"),
+        weights=given.get("weights"),
+        activation_clamp=given.get("activation_clamp"),
         block_m=given.get("block_m"),
         warmup=given.get("warmup"),
         iters=given.get("iters"),

@@ -44,7 +44,8 @@ def build_sizes(shape, ranks: int, tokens: int, block_m: int | None = None, gpu:
 @click.option("--gpu", default=DEFAULT_GPU, show_default=True, help="GPU whose memory the buffer must fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the layout and fit as JSON on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show who writes, reads and resets each segment.")
-def sizes(preset, hidden, intermediate, num_experts, num_topk, ranks, tokens, block_m, gpu, as_json, verbose):
+def sizes(preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, ranks, tokens, block_m, gpu,
+          as_json, verbose):
     """Print the symmetric-buffer layout of one rank: segments, offsets, bytes, pool capacity.
 
     \b
@@ -53,16 +54,26 @@ def sizes(preset, hidden, intermediate, num_experts, num_topk, ranks, tokens, bl
       megamoe sizes --preset qwen3-235b --ranks 4 --tokens 8192 --gpu H100 --verbose
       megamoe sizes --preset small --ranks 2 --tokens 128 --json
     """
-    shape = resolve_shape(preset, hidden, intermediate, num_experts, num_topk)
+    shape = resolve_shape(preset, hidden, intermediate, num_experts, num_topk, weights=weights,
+                          activation_clamp=activation_clamp)
     layout, fit = build_sizes(shape, ranks, tokens, block_m, gpu)
+    expert_weights = weight_bytes_per_rank(shape, ranks)
     if as_json:
-        json.dump({**layout.to_dict(), "fit": fit}, sys.stdout, indent=2)
+        json.dump({**layout.to_dict(), "fit": fit, "weights": shape.weights, "weight_bytes": expert_weights},
+                  sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
-    _render(layout, fit, verbose)
+    _render(layout, fit, verbose, expert_weights)
 
 
-def _render(layout, fit, verbose: bool) -> None:
+def weight_bytes_per_rank(shape, ranks: int) -> dict:
+    """Bytes of one rank's expert weights (L1 and L2, with their scales) in each format: FP8 is a
+    byte per weight and an FP32 per 128x128 block; MXFP4 half a byte and a byte per 32."""
+    weights = (shape.num_experts // ranks) * 3 * shape.hidden * shape.intermediate
+    return {"fp8": weights + weights // (128 * 128) * 4, "fp4": weights // 2 + weights // 32}
+
+
+def _render(layout, fit, verbose: bool, expert_weights: dict) -> None:
     from rich.table import Table
 
     from ._console import human_bytes, percent, stderr_console
@@ -110,6 +121,10 @@ def _render(layout, fit, verbose: bool) -> None:
         f"rank routed here)"
     )
     console.print(f"total per rank: {human_bytes(total)} ({total:,} bytes, {human_bytes(padding)} alignment padding)")
+    console.print(
+        f"expert weights per rank, besides the buffer: {human_bytes(expert_weights['fp8'])} as FP8, "
+        f"{human_bytes(expert_weights['fp4'])} as MXFP4 (this shape: {shape.weights})"
+    )
     if fit["fits"]:
         console.print(
             f"fits {fit['gpu']} ({human_bytes(fit['gpu_memory_bytes'])}): "

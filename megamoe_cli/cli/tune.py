@@ -17,7 +17,8 @@ from ._options import IntList, shape_options
 NEEDS = "megamoe tune needs a CUDA GPU with the fused kernel"
 
 # Flags that describe points; they cannot be mixed with --sweep.
-POINT_FLAGS = ("preset", "hidden", "intermediate", "num_experts", "num_topk", "num_tokens", "warmup", "iters",
+POINT_FLAGS = ("preset", "hidden", "intermediate", "num_experts", "num_topk", "weights", "activation_clamp",
+               "num_tokens", "warmup", "iters",
                "seed", "flush_l2", "point_timeout")
 # Flags that set candidate dimensions; with --sweep they replace the sweep's.
 CANDIDATE_FLAGS = ("block_m", "num_stages", "cluster_m", "num_sms")
@@ -77,7 +78,8 @@ class SmsList(click.ParamType):
 @click.option("--gpu", help="With --dry-run: the GPU model to plan for (default: the visible GPU).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the saved entries (with --dry-run: the candidates) as JSON on stdout.")
-def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, num_tokens, block_m, num_stages, cluster_m,
+def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens,
+         block_m, num_stages, cluster_m,
          num_sms, warmup, iters, seed, flush_l2, point_timeout, ranks, run_timeout, path, dry_run, gpu, as_json):
     """Find the fastest kernel config per shape and token bucket and save it for the runtime.
 
