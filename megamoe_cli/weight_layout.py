@@ -113,3 +113,24 @@ def fp4_layer(
         codes = permute_l2_columns(codes)
     block_sf = torch.ldexp(torch.ones_like(block_exp, dtype=torch.float32), block_exp)
     return fp4_stages(codes, indices), block_sf
+
+
+def mxfp4_as_fp8_blocks(packed: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 weights ``[E, N, K/2]`` with their UE8M0 scales -> the FP8 weights and 128x128 FP32
+    block scales the kernel's expansion computes with: ``e4m3(e2m1 * 2^(s - B))`` times ``2^B``.
+
+    Exact where the kernel's expansion is (runs at most 8 binades below their block's largest) and
+    rounded the same way below, so an FP8 pipeline given these computes what the fused MXFP4
+    kernel does; the unfused baseline reads MXFP4 weights this way (converted once, read as FP8)."""
+    block_exp = fp4_block_exponents(scales)
+    rel = fp4_scale_indices(scales, block_exp).to(torch.int32) - FP4_SCALE_BIAS
+    values = torch.ldexp(unpack_e2m1_values(packed), rel.repeat_interleave(MX_BLOCK, dim=-1))
+    block_sf = torch.ldexp(torch.ones_like(block_exp, dtype=torch.float32), block_exp)
+    return values.to(torch.float8_e4m3fn), block_sf
+
+
+def unpack_e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """``uint8 [..., K/2]`` -> the e2m1 values ``float32 [..., K]``."""
+    from .quant import e2m1_values
+
+    return e2m1_values(unpack_e2m1(packed))

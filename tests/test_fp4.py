@@ -256,3 +256,18 @@ def test_presets_and_variant_names():
         MoEShape(512, 256, 8, 2, activation_clamp=-1.0)
     assert math.isclose(MoEShape(512, 256, 8, 2, activation_clamp=3).activation_clamp, 3.0)
 
+
+
+def test_mxfp4_as_fp8_blocks_is_what_the_kernel_expands():
+    """The baseline's conversion (every weight as e4m3 times its block's 2^B) equals the kernel's
+    expansion value for value, flushes and subnormals included."""
+    torch.manual_seed(5)
+    w = torch.randn(1, 256, 256) * torch.exp2(12 - torch.randint(0, 22, (1, 256, 8)).float()).repeat_interleave(32, 2)
+    packed, scales = quantize_mxfp4(w)
+    q, sf = wl.mxfp4_as_fp8_blocks(packed, scales)
+    assert q.dtype == torch.float8_e4m3fn and sf.shape == (1, 2, 2)
+    stages, block_sf = wl.fp4_layer(packed, scales, "l1")
+    assert torch.equal(sf, block_sf)
+    got = emulate_stage(stages[0, 0, 1], False)  # the second K block of the one 256-row tile
+    want = wl.permute_l1_rows(q.view(torch.uint8)).view(torch.float8_e4m3fn)[0, :, 128:].float()
+    assert torch.equal(got, want)
