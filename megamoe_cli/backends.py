@@ -14,7 +14,9 @@ from .errors import MegaMoEError
 # name -> (module, class, constructor keyword arguments)
 _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
     "reference": ("megamoe_cli.reference", "ReferenceBackend", {}),
-    "torch": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "fp8"}),
+    "torch": ("megamoe_cli.baseline_fp8", "TorchFP8Backend", {}),
+    "torch-graph": ("megamoe_cli.baseline_fp8", "TorchFP8Backend", {"graph": True}),
+    "torch-bf16w": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16w"}),
     "torch-bf16": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16"}),
     "fused": ("megamoe_cli.fused", "FusedBackend", {}),
     "fused-graph": ("megamoe_cli.fused", "FusedBackend", {"graph": True}),
