@@ -1,7 +1,8 @@
 """``megamoe report``: a results file as a table (rich or markdown) and a latency plot.
 
-Thin: reading and the summary view (speedup against the unfused baseline of the same run) belong
-to ``megamoe_cli.bench.results``; this module only formats.
+Thin: reading and the summary view belong to ``megamoe_cli.bench.results``, the speed-up against
+the strongest baseline at each point (named beside it) to ``megamoe_cli.bench.compare``; this
+module only formats.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import click
 @click.option("--no-plot", is_flag=True, help="Do not write a plot.")
 def report(results_file, markdown, as_json, plot_path, no_plot):
     """Render a results file: summary table and a latency-vs-tokens plot per backend.
+
+    Each row's speed-up is taken against the fastest baseline (an unfused backend) measured at
+    the same point of the same run, named in the column beside it.
 
     \b
     Examples:
