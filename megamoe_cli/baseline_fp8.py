@@ -34,12 +34,17 @@ GEMMs (config key ``gemm``):
 * ``dequant`` (default on CPU): per expert, FP32 matmuls of the dequantized operands, sizes read
   on the host.
 
+``$MEGAMOE_TORCH_GEMM`` names the GEMM when the config does not (``megamoe bench`` times each
+candidate through it: ``MEGAMOE_TORCH_GEMM=scaled_mm megamoe bench --backend torch``); rows
+record the GEMM that ran in their config.
+
 ``triton`` runs on CPU tensors too under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 ``megamoe_cli.baseline_triton`` is imported), which is how the CPU tests check the kernels.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -54,6 +59,8 @@ GEMMS = ("triton", "scaled_grouped_mm", "scaled_mm", "dequant")
 # GEMMs whose call reads nothing on the host, so the layer can be captured into a CUDA graph.
 CAPTURABLE_GEMMS = ("triton", "scaled_grouped_mm")
 CONFIG_KEYS = ("gemm", "block_m", "num_warps", "num_stages")
+# The GEMM to run when the config names none (the config's own key wins).
+ENV_GEMM = "MEGAMOE_TORCH_GEMM"
 BLOCK_MS = (16, 32, 64, 128)
 # The L2 GEMM's output tile width (the L1 GEMM's is one scale block of activations, 128).
 L2_BLOCK_N = 128
@@ -418,9 +425,10 @@ class TorchFP8Backend:
                 f"backend {self.name!r} takes config keys {', '.join(CONFIG_KEYS)}, got {', '.join(unknown)}"
             )
         try:
-            gemm = config.get("gemm", "auto")
+            gemm = config.get("gemm", os.environ.get(ENV_GEMM) or "auto")
             if gemm not in GEMMS + ("auto",):
-                raise MegaMoEError(f"gemm must be one of auto, {', '.join(GEMMS)}, got {gemm!r}")
+                source = "gemm" if "gemm" in config else f"${ENV_GEMM}"
+                raise MegaMoEError(f"{source} must be one of auto, {', '.join(GEMMS)}, got {gemm!r}")
             s = problem.shape
             block_m = _int_key("block_m", config, BLOCK_MS,
                                default_block_m(problem.world_size, problem.num_max_tokens_per_rank,

@@ -116,6 +116,16 @@ def test_config_errors_name_what_was_expected():
     assert runner.config["gemm"] == "dequant" and runner.config["block_m"] == default_block_m(1, 4, 3, 8)
 
 
+def test_the_environment_names_the_gemm_when_the_config_does_not(monkeypatch):
+    p = make_problem(SHAPE, 0, 1, 4, 4, "cpu", seed=1)
+    monkeypatch.setenv("MEGAMOE_TORCH_GEMM", "cublas")
+    with pytest.raises(MegaMoEError, match=r"\$MEGAMOE_TORCH_GEMM must be one of auto, .*, got 'cublas'"):
+        TorchFP8Backend().prepare(p, None, {})
+    assert TorchFP8Backend().prepare(p, None, {"gemm": "dequant"}).config["gemm"] == "dequant"
+    monkeypatch.setenv("MEGAMOE_TORCH_GEMM", "dequant")
+    assert TorchFP8Backend().prepare(p, None, {}).config["gemm"] == "dequant"
+
+
 def test_default_block_m_follows_the_rows_per_expert():
     # DeepSeek-V3 at 2 ranks: 1 token/rank -> 0.06 rows per expert, 1024 -> 64, 8192 -> 512.
     assert [default_block_m(2, t, 8, 256) for t in (1, 128, 512, 1024, 2048, 8192)] == [16, 16, 32, 64, 64, 128]
