@@ -92,6 +92,32 @@ def test_repeated_experts_zero_tokens_and_block_sizes(gemm):
     assert TorchFP8Backend().prepare(empty, None, {"gemm": gemm})().shape == (0, 256)
 
 
+@pytest.mark.skipif(not triton_interpreter.have_triton(), reason="needs triton (pip install triton)")
+def test_a_triton_call_reads_nothing_back_to_the_host(monkeypatch):
+    """What lets torch-graph capture the call: no tensor value reaches Python in it (the GPU tier
+    checks the same with CUDA's sync debug mode)."""
+    p = make_problem(SHAPE, 0, 1, 24, 32, "cpu", seed=13, routing="with_invalid")
+    runner = TorchFP8Backend().prepare(p, None, {"gemm": "triton"})
+    first = runner().clone()
+    read = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__", "numpy", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            read.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    y = runner()
+    monkeypatch.undo()
+    assert read == [], f"the call read tensor values on the host: {read}"
+    assert torch.equal(y, first)
+    runner = TorchFP8Backend().prepare(p, None, {"gemm": "dequant"})
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: read.append("tolist") or [])
+    runner()
+    assert "tolist" in read  # the spy sees the per-expert sizes the dequant GEMMs read
+
+
 def test_the_eager_and_graph_backends_are_registered():
     assert get_backend("torch").name == "torch" and get_backend("torch-graph").name == "torch-graph"
     assert get_backend("torch-graph").graph and not get_backend("torch").graph
