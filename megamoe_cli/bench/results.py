@@ -47,6 +47,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from ..files import atomic_write
 from ..errors import MegaMoEError
+from .compare import with_speedup
 from .envinfo import ENV_COLUMNS, utc_now
 
 SHAPE_COLUMNS = ("hidden", "intermediate", "num_experts", "num_topk")
@@ -461,8 +462,6 @@ def summary(frame):
     steady-state rows are never read as single calls; when the rows' medians are over different
     numbers of timed samples (``iters``), that column follows too, so a 10-sample median is not
     read beside a 30-sample one as if alike."""
-    from .compare import with_speedup
-
     frame = with_speedup(frame)
 
     def shape_name(row) -> str:
