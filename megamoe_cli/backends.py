@@ -14,7 +14,9 @@ from .errors import MegaMoEError
 # name -> (module, class, constructor keyword arguments)
 _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
     "reference": ("megamoe_cli.reference", "ReferenceBackend", {}),
-    "torch": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "fp8"}),
+    "torch": ("megamoe_cli.baseline_fp8", "TorchFP8Backend", {}),
+    "torch-graph": ("megamoe_cli.baseline_fp8", "TorchFP8Backend", {"graph": True}),
+    "torch-bf16w": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16w"}),
     "torch-bf16": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16"}),
     "fused": ("megamoe_cli.fused", "FusedBackend", {}),
     "fused-graph": ("megamoe_cli.fused", "FusedBackend", {"graph": True}),
@@ -25,8 +27,9 @@ BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)
 # Backends whose code is sm_90a (the fused kernel): they run on Hopper GPUs only.
 HOPPER_ONLY = frozenset({"fused", "fused-graph"})
 
-# The backend whose time is the denominator of `speedup_vs_torch`.
-BASELINE_BACKEND = "torch"
+# The unfused layers a user could run instead of the fused one: a speed-up is taken against the
+# fastest of them measured at the same point (bench.compare).
+BASELINE_BACKENDS: Tuple[str, ...] = ("torch", "torch-graph", "torch-bf16w", "torch-bf16")
 
 
 def get_backend(name: str) -> Any:

@@ -1,4 +1,8 @@
-"""The unfused expert-parallel MoE a PyTorch user would write: the baseline the fused kernel must beat.
+"""The unfused expert-parallel MoE with BF16 GEMMs and host-read sizes (backends ``torch-bf16w``
+and ``torch-bf16``), the pipeline a PyTorch user writes without FP8 GEMMs.
+
+The FP8 layer with FP8 GEMMs and no host sync, the baseline the fused kernel is measured
+against, is ``megamoe_cli.baseline_fp8`` (backends ``torch``, ``torch-graph``).
 
 One call (``runner()``) runs, as separate kernels with host round trips:
 
@@ -14,27 +18,20 @@ One call (``runner()``) runs, as separate kernels with host round trips:
 The routing weight is applied before L2 and the combine sums in slot order, as
 in the reference, so the error columns of both dtypes are comparable.
 
-``dtype="fp8"`` (backend ``torch``) keeps the DeepSeek-V3 FP8 recipe end to end:
-FP8 rows + per-token-per-128 scales are dispatched, the L1 GEMM output stays
-FP32, and the activation is requantized per token per 128 channels before L2 (as
-the reference and the fused kernel do); L2 writes BF16. GEMMs, per local expert
-with rows:
+``dtype="bf16w"`` (backend ``torch-bf16w``) keeps the FP8 recipe's data and rounding points
+around BF16 GEMMs: FP8 rows + per-token-per-128 scales are dispatched, the L1 GEMM output
+stays FP32, and the activation is requantized per token per 128 channels before L2 (as
+the reference and the fused kernel do); L2 writes BF16. GEMMs:
 
-* ``gemm="scaled_mm"`` (default on Hopper when it works): ``torch._scaled_mm``
-  with 1x128 activation scales and 128x128 weight scales (cuBLAS >= 12.9 block
-  scaling, FP32 accumulation). There is no block-scaled grouped GEMM in PyTorch
-  (``torch._scaled_grouped_mm`` takes row-wise scales only), so this is a loop
-  over experts, which is what a PyTorch user of this recipe runs;
-* ``gemm="grouped_dequant"`` (CUDA where block-scaled ``_scaled_mm`` fails its
-  probe, as with torch 2.11 + CUDA 13.0 on H200): the FP8 weights are dequantized to
+* ``gemm="grouped_dequant"`` (default on CUDA): the FP8 weights are dequantized to
   BF16 once in ``prepare`` (outside the timed call, like a deployment that keeps a
   BF16 copy), the received FP8 rows are dequantized to BF16 and both layer GEMMs
   are one ``torch._grouped_mm`` each; the activation is still requantized to FP8
-  (and dequantized back) between them, so the recipe's rounding points stay;
+  (and dequantized back) between them.  The BF16 operand rounding shows up through
+  the FP8 requantization as ~1.5% relative error against the reference;
 * ``gemm="dequant"`` (CPU): each expert's FP8 weight is dequantized with its block
-  scales on the fly, inside the timed call, and multiplied with the rows
-  dequantized the same way. On CUDA the BF16 operand rounding shows up
-  through the FP8 requantization as ~1.5% relative error against the reference.
+  scales inside the timed call, to FP32 on CPU (BF16 on CUDA), and multiplied with the
+  rows dequantized the same way, expert by expert.
 
 ``dtype="bf16"`` (backend ``torch-bf16``) is a BF16 model: weights and the input
 tokens are dequantized to BF16 once in ``prepare`` (outside the timed call), BF16
@@ -72,17 +69,16 @@ from .reference import (
     unpack_rows,
 )
 
-DTYPES = ("fp8", "bf16")
-GEMMS = {"fp8": ("scaled_mm", "dequant", "grouped_dequant"), "bf16": ("grouped_mm", "loop")}
+DTYPES = ("bf16w", "bf16")
+GEMMS = {"bf16w": ("grouped_dequant", "dequant"), "bf16": ("grouped_mm", "loop")}
+NAMES = {"bf16w": "torch-bf16w", "bf16": "torch-bf16"}
 CONFIG_KEYS = ("gemm",)
 
-# FP8 mode keeps the L1 GEMM output in FP32, as the recipe (and the fused
+# bf16w keeps the L1 GEMM output in FP32, as the recipe (and the fused
 # kernel's accumulators) do: a BF16 rounding before the FP8 requantization of
 # the activation flips ~3% of its FP8 roundings and moves y by ~1.5%.
 L1_OUT_DTYPE = torch.float32
 
-# Rows per probe matmul: one row, an odd count and a full tile.
-_PROBE_ROWS = (1, 17, 128)
 # A working kernel agrees with the dequantized matmul to BF16 output rounding.
 _PROBE_REL_TOL = 2e-2
 
@@ -90,15 +86,6 @@ _PROBE_REL_TOL = 2e-2
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _scaled_mm_block(
-    xq: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """``dequant(xq) @ dequant(w).T`` with 1x128 (x) and 128x128 (w) block scales, FP32 accumulation."""
-    # cuBLAS wants the 1x128 scales M-major ("outer-dim-major"); w.t() is the
-    # column-major B operand and w_sf.t() its [K/128, N/128] scale view.
-    return torch._scaled_mm(xq, w.t(), scale_a=x_sf.t().contiguous().t(), scale_b=w_sf.t(), out_dtype=out_dtype)
 
 
 def _dequant_mm(
@@ -123,24 +110,6 @@ def _probe(fn: Callable[[], Tuple[torch.Tensor, torch.Tensor]]) -> Optional[str]
     err = _rel_err(got, want)
     if not err < _PROBE_REL_TOL:
         return f"relative error {err:.3g} against the dequantized matmul"
-    return None
-
-
-def _probe_scaled_mm(problem: Problem) -> Optional[str]:
-    if not hasattr(torch, "_scaled_mm"):
-        return "torch._scaled_mm is missing"
-    if problem.device.type != "cuda":
-        return "block-scaled torch._scaled_mm needs CUDA"
-    gen = torch.Generator(device=problem.device).manual_seed(0)
-    layers = ((problem.w1[0], problem.w1_sf[0], L1_OUT_DTYPE), (problem.w2[0], problem.w2_sf[0], torch.bfloat16))
-    for w, w_sf, out_dtype in layers:
-        for rows in _PROBE_ROWS:
-            xq, x_sf = quantize_per_token(torch.randn(rows, w.shape[1], generator=gen, device=problem.device))
-            why = _probe(
-                lambda: (_scaled_mm_block(xq, x_sf, w, w_sf, out_dtype), _dequant_mm(xq, x_sf, w, w_sf, out_dtype))
-            )
-            if why:
-                return why
     return None
 
 
@@ -193,7 +162,7 @@ class _TorchRunner:
         pairs, counts = pairs_by_expert(p.topk_idx, p.shape.num_experts)
         tokens = pairs // K
         weights = p.topk_weights.reshape(-1)[pairs].unsqueeze(1)
-        if self.dtype == "fp8":
+        if self.dtype == "bf16w":
             send = pack_rows(gather_rows(p.x, tokens), p.x_sf[tokens], weights)
             layout = ((FP8_DTYPE, H), (torch.float32, H // BLOCK), (torch.float32, 1))
         else:
@@ -213,8 +182,8 @@ class _TorchRunner:
         order = torch.argsort(local_expert, stable=True)
         parts = [gather_rows(t, order) for t in unpack_rows(recv, *layout)]
         per_expert = recv_counts.sum(0)
-        if self.dtype == "fp8":
-            out_sorted = self._experts_fp8(parts[0], parts[1], parts[2], per_expert.tolist(), I)
+        if self.dtype == "bf16w":
+            out_sorted = self._experts_bf16w(parts[0], parts[1], parts[2], per_expert.tolist(), I)
         else:
             out_sorted = self._experts_bf16(parts[0], parts[1], per_expert, I)
         out = torch.empty_like(out_sorted)
@@ -229,7 +198,7 @@ class _TorchRunner:
         slots[pairs] = back
         return combine_slots(slots.view(T, K, H))
 
-    def _experts_fp8(
+    def _experts_bf16w(
         self, xq: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, per_expert: List[int], I: int
     ) -> torch.Tensor:
         p = self.problem
@@ -238,7 +207,7 @@ class _TorchRunner:
             h = _grouped_mm(dequantize_per_token(xq, x_sf, torch.bfloat16), self.w1_bf16, offs)
             aq, a_sf = quantize_per_token(F.silu(h[:, :I].float()) * h[:, I:].float() * w)
             return _grouped_mm(dequantize_per_token(aq, a_sf, torch.bfloat16), self.w2_bf16, offs)
-        mm = _scaled_mm_block if self.gemm == "scaled_mm" else _dequant_mm
+        mm = _dequant_mm
         h = torch.empty(xq.shape[0], 2 * I, dtype=L1_OUT_DTYPE, device=xq.device)
         bounds = []
         start = 0
@@ -275,18 +244,19 @@ class _TorchRunner:
 
 
 class TorchBackend:
-    """Backends ``torch`` (``dtype="fp8"``) and ``torch-bf16`` (``dtype="bf16"``); see the module docstring.
+    """Backends ``torch-bf16w`` (``dtype="bf16w"``) and ``torch-bf16`` (``dtype="bf16"``); see the
+    module docstring.
 
-    ``config`` may hold ``gemm``: for fp8 one of ``scaled_mm``, ``dequant``; for
-    bf16 one of ``grouped_mm``, ``loop``; absent or ``auto`` picks the fastest
-    that works here (probed in ``prepare``).
+    ``config`` may hold ``gemm``: for bf16w one of ``grouped_dequant``, ``dequant``; for bf16
+    one of ``grouped_mm``, ``loop``; absent or ``auto`` picks the grouped GEMM on CUDA when it
+    works here (probed in ``prepare``), else the per-expert one.
     """
 
-    def __init__(self, dtype: str = "fp8") -> None:
+    def __init__(self, dtype: str = "bf16w") -> None:
         if dtype not in DTYPES:
             raise MegaMoEError(f"TorchBackend dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
-        self.name = "torch" if dtype == "fp8" else "torch-bf16"
+        self.name = NAMES[dtype]
 
     def prepare(self, problem: Problem, group=None, config: Optional[dict] = None) -> _TorchRunner:
         config = dict(config or {})
@@ -303,25 +273,14 @@ class TorchBackend:
             )
         problem.validate()
         group = resolve_group(problem, group)
-        fast, slow = choices[:2]
-        note = None
-        if self.dtype == "fp8":
-            why = _probe_scaled_mm(problem) if gemm in ("auto", fast) else None
-            if why and gemm == "auto" and problem.device.type == "cuda":
-                grouped_why = _probe_grouped_mm(
-                    dequantize_per_block(problem.w1[:3], problem.w1_sf[:3], torch.bfloat16)
-                )
-                if grouped_why is None:
-                    slow = "grouped_dequant"
-                else:
-                    why = f"{why}; grouped_mm: {grouped_why}"
+        fast, slow = choices
+        if gemm == fast or (gemm == "auto" and problem.device.type == "cuda"):
+            why = _probe_grouped_mm(dequantize_per_block(problem.w1[:3], problem.w1_sf[:3], torch.bfloat16))
         else:
-            if gemm == fast or (gemm == "auto" and problem.device.type == "cuda"):
-                why = _probe_grouped_mm(dequantize_per_block(problem.w1[:3], problem.w1_sf[:3], torch.bfloat16))
-            else:
-                why = "per-expert loop is the CPU default" if gemm == "auto" else None
+            why = "per-expert loop is the CPU default" if gemm == "auto" else None
         if gemm == fast and why:
             raise MegaMoEError(f"backend {self.name!r}: gemm={fast!r} does not work here ({why})")
+        note = None
         if gemm == "auto":
             gemm, note = (slow, why) if why else (fast, None)
         return _TorchRunner(problem, group, self.dtype, gemm, note)

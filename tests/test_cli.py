@@ -210,6 +210,7 @@ def test_report_table_markdown_and_json(tmp_path):
     assert table.exit_code == 0, table.output
     assert "3,200.0" in table.stderr  # torch at 8 tokens: 400 us * 8
     assert "4.00x" in table.stderr  # fused at 8 tokens: 3200 / 800
+    assert "speed-up" in table.stderr and "vs" in table.stderr
     assert "failed: fused tokens/rank=64: rank 1: out of memory" in table.stderr
 
     md = run("report", str(csv_path), "--markdown")
@@ -225,7 +226,7 @@ def test_report_table_markdown_and_json(tmp_path):
     assert len(rows) == 4
     fused8 = next(r for r in rows if r["backend"] == "fused" and r["num_tokens"] == 8)
     assert fused8["time_us_median"] == 800.0
-    assert fused8["speedup_vs_torch"] == pytest.approx(4.0)
+    assert fused8["speedup_vs_baseline"] == pytest.approx(4.0) and fused8["baseline"] == "torch"
     failed = next(r for r in rows if r["status"] == "failed")
     assert failed["time_us_median"] is None
 

@@ -255,7 +255,7 @@ def test_read_missing_file_is_a_clear_error(tmp_path):
         read_results(tmp_path / "nope.csv")
 
 
-def test_summary_speedup_vs_torch_pairs_rows_of_the_same_run_and_problem(tmp_path):
+def test_summary_speedup_pairs_rows_of_the_same_run_and_problem(tmp_path):
     ps = points()  # fused@4, torch@4, fused@[0,8], torch@[0,8]
     rows = [
         ok_row(ps[0], 50.0),  # fused, 4 tokens
@@ -268,10 +268,11 @@ def test_summary_speedup_vs_torch_pairs_rows_of_the_same_run_and_problem(tmp_pat
     append_rows(path, rows)
     view = summary(read_results(path))
     assert list(view.columns) == list(results.SUMMARY_COLUMNS)
-    speedups = list(view["speedup_vs_torch"])
+    speedups = list(view["speedup_vs_baseline"])
     assert speedups[0] == pytest.approx(4.0)
     assert speedups[1] == pytest.approx(1.0)
     assert all(math.isnan(s) for s in speedups[2:])
+    assert [b if isinstance(b, str) else None for b in view["baseline"]] == ["torch", "torch", None, None, None]
     assert list(view["shape"]) == ["small"] * 5
 
 

@@ -24,7 +24,8 @@ One row per (run, point).  Columns whose meaning is not in their name:
 - ``rel_err``: the same ratio on the worst rank alone.  A rank holding a token or two
   scatters far more than the layer by rounding alone (see ``reference``).
 - ``run_id``: one ``megamoe bench`` invocation; rows of one run compare
-  directly (``speedup_vs_torch`` in the summary view).
+  directly (``speedup_vs_baseline`` against the fastest baseline, named in ``baseline``, in the
+  summary view: ``bench.compare``).
 
 Files are chosen by extension: ``.csv`` (default), ``.jsonl`` or ``.parquet``
 (needs pyarrow).  Appending never rewrites rows that
@@ -52,9 +53,9 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
-from ..backends import BASELINE_BACKEND
 from ..files import atomic_write, check_writable
 from ..errors import MegaMoEError
+from .compare import with_speedup
 from .envinfo import ENV_COLUMNS, utc_now
 
 SHAPE_COLUMNS = ("hidden", "intermediate", "num_experts", "num_topk")
@@ -528,25 +529,14 @@ SUMMARY_COLUMNS = (
     "floor_fraction",
     "rel_err_layer",
     "rel_err",
-    "speedup_vs_torch",
+    "speedup_vs_baseline",
+    "baseline",
 )
 
 
-def with_speedup(frame):
-    """Add ``speedup_vs_torch``: the torch (FP8) time of the same problem in the same run / this row's time."""
-    frame = frame.copy()
-    key = list(PROBLEM_COLUMNS)
-    base = frame[(frame["backend"] == BASELINE_BACKEND) & (frame["status"] == STATUS_OK)]
-    base = base.groupby(key, dropna=False)["time_us_median"].min().rename("_baseline_us").reset_index()
-    # A left merge keeps the left rows' order, so the result lines up with `frame` by position.
-    merged = frame[key + ["status", "time_us_median"]].merge(base, on=key, how="left", validate="many_to_one")
-    speedup = (merged["_baseline_us"] / merged["time_us_median"]).where(merged["status"] == STATUS_OK)
-    frame["speedup_vs_torch"] = speedup.astype("float64").to_numpy()
-    return frame
-
-
 def summary(frame):
-    """A compact view for display: one line per row with the baseline ratio.  When some row was
+    """A compact view for display: one line per row with its speed-up against the strongest
+    baseline at its point (``bench.compare``).  When some row was
     timed over several calls per sample, a ``calls_per_sample`` column follows the time, so
     steady-state rows are never read as single calls; when the rows' medians are over different
     numbers of timed samples (``iters``), that column follows too, so a 10-sample median is not

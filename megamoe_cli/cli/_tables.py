@@ -15,10 +15,11 @@ HEADERS = {
     "floor_fraction": "of floor",
     "rel_err_layer": "rel err",
     "rel_err": "worst rank",
-    "speedup_vs_torch": "vs torch",
+    "speedup_vs_baseline": "speed-up",
+    "baseline": "vs",
 }
 NUMERIC = ("num_tokens", "block_m", "time_us_median", "iters", "calls_per_sample", "tflops", "floor_fraction", "rel_err_layer", "rel_err",
-           "speedup_vs_torch")
+           "speedup_vs_baseline")
 
 
 def plain(value):
@@ -42,7 +43,7 @@ def _cell(column: str, value) -> str:
         return f"{100 * value:.1f}%"
     if column in ("rel_err", "rel_err_layer"):
         return f"{value:.2e}"
-    if column == "speedup_vs_torch":
+    if column == "speedup_vs_baseline":
         return f"{value:.2f}x"
     return str(value)
 

@@ -1,7 +1,8 @@
 """``megamoe report``: a results file as a table (rich or markdown) and, when asked, a latency plot.
 
-Thin: reading and the summary view (speedup against the unfused baseline of the same run) belong
-to ``megamoe_cli.bench.results``; this module only formats.
+Thin: reading and the summary view belong to ``megamoe_cli.bench.results``, the speed-up against
+the strongest baseline at each point (named beside it) to ``megamoe_cli.bench.compare``; this
+module only formats.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def report(results_file, markdown, as_json, plot_path):
 
     Reads .csv, .jsonl and .parquet files written by `megamoe bench`.  A file that is not one, or
     has a damaged row, is named with its line in one error line (exit status 2).
+
+    Each row's speed-up is taken against the fastest baseline (an unfused backend) measured at
+    the same point of the same run, named in the column beside it.
 
     \b
     Examples:
