@@ -47,7 +47,6 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .errors import MegaMoEError
 from .problem import Problem
@@ -59,6 +58,7 @@ from .quant import (
     quantize_per_token,
 )
 from .reference import (
+    swiglu,
     all_to_all_rows,
     combine_slots,
     exchange_counts,
@@ -135,6 +135,12 @@ def _probe_grouped_mm(w1: torch.Tensor) -> Optional[str]:
 
 class _TorchRunner:
     def __init__(self, problem: Problem, group, dtype: str, gemm: str, note: Optional[str]) -> None:
+        self.clamp = problem.shape.activation_clamp
+        weights_note = None
+        if problem.shape.weights == "fp4":
+            from .baseline_fp8 import fp8_weights_of
+
+            problem, weights_note = fp8_weights_of(problem)
         self.problem = problem
         self.group = group
         self.dtype = dtype
@@ -142,6 +148,8 @@ class _TorchRunner:
         self.config = {"dtype": dtype, "gemm": gemm, "dispatch": "local" if group is None else "all_to_all_single"}
         if note:
             self.config["gemm_fallback_reason"] = note
+        if weights_note:
+            self.config["weights"] = weights_note
         p = problem
         if dtype == "bf16" or gemm == "grouped_dequant":
             # A BF16 model holds BF16 weights and tokens: convert once, outside the timed call.
@@ -205,7 +213,7 @@ class _TorchRunner:
         if self.gemm == "grouped_dequant" and xq.shape[0]:
             offs = torch.tensor(per_expert, device=xq.device).cumsum(0).to(torch.int32)
             h = _grouped_mm(dequantize_per_token(xq, x_sf, torch.bfloat16), self.w1_bf16, offs)
-            aq, a_sf = quantize_per_token(F.silu(h[:, :I].float()) * h[:, I:].float() * w)
+            aq, a_sf = quantize_per_token(swiglu(h[:, :I].float(), h[:, I:].float(), self.clamp) * w)
             return _grouped_mm(dequantize_per_token(aq, a_sf, torch.bfloat16), self.w2_bf16, offs)
         mm = _dequant_mm
         h = torch.empty(xq.shape[0], 2 * I, dtype=L1_OUT_DTYPE, device=xq.device)
@@ -218,7 +226,7 @@ class _TorchRunner:
                     xq[start : start + n], x_sf[start : start + n], p.w1[e], p.w1_sf[e], L1_OUT_DTYPE
                 )
             start += n
-        act = F.silu(h[:, :I].float()) * h[:, I:].float() * w
+        act = swiglu(h[:, :I].float(), h[:, I:].float(), self.clamp) * w
         aq, a_sf = quantize_per_token(act)
         out = torch.empty(xq.shape[0], p.shape.hidden, dtype=torch.bfloat16, device=xq.device)
         for e, s, t in bounds:
@@ -229,7 +237,7 @@ class _TorchRunner:
         if self.gemm == "grouped_mm" and xb.shape[0]:
             offs = per_expert.cumsum(0).to(torch.int32)
             h = _grouped_mm(xb, self.w1_bf16, offs)
-            act = (F.silu(h[:, :I].float()) * h[:, I:].float() * w).bfloat16()
+            act = (swiglu(h[:, :I].float(), h[:, I:].float(), self.clamp) * w).bfloat16()
             return _grouped_mm(act, self.w2_bf16, offs)
         out = torch.empty(xb.shape[0], self.w2_bf16.shape[1], dtype=torch.bfloat16, device=xb.device)
         start = 0
@@ -237,7 +245,7 @@ class _TorchRunner:
             if n:
                 rows = slice(start, start + n)
                 h = xb[rows] @ self.w1_bf16[e].T
-                act = (F.silu(h[:, :I].float()) * h[:, I:].float() * w[rows]).bfloat16()
+                act = (swiglu(h[:, :I].float(), h[:, I:].float(), self.clamp) * w[rows]).bfloat16()
                 out[rows] = act @ self.w2_bf16[e].T
             start += n
         return out

@@ -44,16 +44,17 @@ record the GEMM that ran in their config.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .errors import MegaMoEError
 from .problem import Problem
 from .quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
-from .reference import resolve_group
+from .reference import resolve_group, swiglu
+from .weight_layout import mxfp4_as_fp8_blocks
 
 GEMMS = ("triton", "scaled_grouped_mm", "scaled_mm", "dequant")
 # GEMMs whose call reads nothing on the host, so the layer can be captured into a CUDA graph.
@@ -161,9 +162,24 @@ class _Layout:
         self.pool = -(-(self.R * self.capacity + self.E_local * (block_m - 1)) // block_m) * block_m
 
 
+def fp8_weights_of(problem: Problem) -> Tuple[Problem, str]:
+    """An MXFP4 problem with its weights as FP8 and 128x128 block scales, converted once: the
+    values the fused kernel's expansion computes with (weight_layout.mxfp4_as_fp8_blocks), read
+    by the baseline's FP8 GEMMs at a byte per weight; and the note its rows carry."""
+    w1, w1_sf = mxfp4_as_fp8_blocks(problem.w1, problem.w1_sf)
+    w2, w2_sf = mxfp4_as_fp8_blocks(problem.w2, problem.w2_sf)
+    shape = dataclasses.replace(problem.shape, weights="fp8")
+    converted = dataclasses.replace(problem, shape=shape, w1=w1, w1_sf=w1_sf, w2=w2, w2_sf=w2_sf)
+    return converted, "fp4 converted once to fp8 (read as fp8)"
+
+
 class _Runner:
     def __init__(self, problem: Problem, group, gemm: str, block_m: int, num_warps: int,
                  stages: Tuple[int, int], graph: bool, note: Optional[str]):
+        self.clamp = problem.shape.activation_clamp
+        weights_note = None
+        if problem.shape.weights == "fp4":
+            problem, weights_note = fp8_weights_of(problem)
         self.problem = problem
         self.group = group
         self.gemm = gemm
@@ -185,6 +201,8 @@ class _Runner:
             self.config.update(num_warps=num_warps, num_stages=list(stages))
         if note:
             self.config["gemm_fallback_reason"] = note
+        if weights_note:
+            self.config["weights"] = weights_note
 
         T, K = problem.num_tokens, L.K
         i32, i64 = torch.int32, torch.int64
@@ -320,7 +338,8 @@ class _Runner:
         L, k, p = self.layout, self.kernels, self.problem
         x, x_sf, weight = self._recv_views()
         k.grouped_gemm_swiglu(x, x_sf, self.pool_src, weight, p.w1, p.w1_sf, block_expert, self.act,
-                              self.act_sf, block_m=L.block_m, num_warps=self.num_warps, num_stages=self.stages[0])
+                              self.act_sf, block_m=L.block_m, num_warps=self.num_warps, num_stages=self.stages[0],
+                              activation_clamp=self.clamp)
         k.grouped_gemm(self.act, self.act_sf, p.w2, p.w2_sf, block_expert, self.cout, self.pool_src, L.rows,
                        block_m=L.block_m, block_n=L2_BLOCK_N, num_warps=self.num_warps, num_stages=self.stages[1])
 
@@ -335,7 +354,7 @@ class _Runner:
         h = torch._scaled_grouped_mm(xq_rw, self.w1_rw.transpose(1, 2), x_rs, self.w1_rs, offs=offs,
                                      out_dtype=torch.bfloat16)
         act_rs = torch.empty(L.pool, 1, dtype=torch.float32, device=h.device)
-        k.swiglu_quant(h, weight, self.act, act_rs, group=L.I)
+        k.swiglu_quant(h, weight, self.act, act_rs, group=L.I, activation_clamp=self.clamp)
         out = torch._scaled_grouped_mm(self.act, self.w2_rw.transpose(1, 2), act_rs.view(-1), self.w2_rs,
                                        offs=offs, out_dtype=torch.bfloat16)
         self.cout.index_copy_(0, self.pool_src[: L.pool].long(), out)
@@ -347,7 +366,7 @@ class _Runner:
         bounds = self._expert_rows(seg_end, counts, multiple=16)
         for e, start, end, _ in bounds:
             h[start:end] = _scaled_mm_block(xq[start:end], x_sf[start:end], p.w1[e], p.w1_sf[e], torch.float32)
-        k.swiglu_quant(h, weight, self.act, self.act_sf, group=BLOCK)
+        k.swiglu_quant(h, weight, self.act, self.act_sf, group=BLOCK, activation_clamp=self.clamp)
         for e, start, end, n in bounds:
             out = _scaled_mm_block(self.act[start:end], self.act_sf[start:end], p.w2[e], p.w2_sf[e], torch.bfloat16)
             self.cout[self.pool_src[start : start + n].long()] = out[:n]
@@ -358,7 +377,7 @@ class _Runner:
         for e, start, _, n in self._expert_rows(seg_end, counts, multiple=1):
             rows = slice(start, start + n)
             h = dequantize_per_token(xq[rows], x_sf[rows]) @ dequantize_per_block(p.w1[e], p.w1_sf[e]).T
-            act = F.silu(h[:, : self.layout.I]) * h[:, self.layout.I :] * weight[rows].unsqueeze(1)
+            act = swiglu(h[:, : self.layout.I], h[:, self.layout.I :], self.clamp) * weight[rows].unsqueeze(1)
             aq, a_sf = quantize_per_token(act)
             out = dequantize_per_token(aq, a_sf) @ dequantize_per_block(p.w2[e], p.w2_sf[e]).T
             self.cout[self.pool_src[rows].long()] = out.bfloat16()

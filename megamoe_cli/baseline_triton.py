@@ -97,6 +97,7 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
+    CLAMP: tl.constexpr = 0.0,  # the SwiGLU clamp (0: none)
 ):
     # Grouped launch order: GROUP_M row blocks share one weight tile
     pid = tl.program_id(0)
@@ -153,6 +154,9 @@ def _grouped_gemm_kernel(
     if SWIGLU:
         # SwiGLU x routing weight, requantized per row per 128 channels (BLOCK_N == 128)
         w = tl.load(weight_ptr + a_rows * stride_wm)
+        if CLAMP > 0:
+            acc = tl.minimum(acc, CLAMP)
+            acc_up = tl.minimum(tl.maximum(acc_up, -CLAMP), CLAMP)
         act = acc / (1.0 + tl.exp(-acc)) * acc_up * w[:, None]
         q, sf = _quantize_rows(act, FLOOR, QMAX)
         rows = offs_m.to(tl.int64)
@@ -176,6 +180,7 @@ def _swiglu_quant_kernel(
     BLOCK: tl.constexpr,        # channels per program, a multiple of GROUP
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
+    CLAMP: tl.constexpr = 0.0,  # the SwiGLU clamp (0: none)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -183,6 +188,9 @@ def _swiglu_quant_kernel(
     gate = tl.load(h_ptr + row * stride_hm + offs, mask=valid, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + row * stride_hm + N + offs, mask=valid, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + row)
+    if CLAMP > 0:
+        gate = tl.minimum(gate, CLAMP)
+        up = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
     act = gate / (1.0 + tl.exp(-gate)) * up * w
     q, sf = _quantize_rows(tl.reshape(act, (BLOCK // GROUP, GROUP)), FLOOR, QMAX)
     tl.store(q_ptr + row * stride_qm + offs, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=valid)
@@ -217,6 +225,7 @@ def grouped_gemm_swiglu(
     a: torch.Tensor, a_sf: torch.Tensor, a_rows: torch.Tensor, weight: torch.Tensor,
     w1: torch.Tensor, w1_sf: torch.Tensor, block_expert: torch.Tensor,
     act: torch.Tensor, act_sf: torch.Tensor, *, block_m: int, num_warps: int, num_stages: int,
+    activation_clamp: float = 0.0,
 ) -> None:
     """L1 for every pool row ``p``: A row ``a_rows[p]`` of ``a`` (FP8, row stride ``a.stride(0)``)
     with scales ``a_sf[a_rows[p]]`` and routing weight ``weight[a_rows[p]]`` through expert
@@ -229,7 +238,7 @@ def grouped_gemm_swiglu(
         w1, w1_sf, block_expert, act, act.stride(0), act_sf, a_rows, 0,
         num_blocks, intermediate, hidden,
         A_INDIRECT=True, SWIGLU=True, BLOCK_M=block_m, BLOCK_N=BLOCK_K, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-        FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages,
+        FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, CLAMP=float(activation_clamp), num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -252,7 +261,8 @@ def grouped_gemm(
     )
 
 
-def swiglu_quant(h: torch.Tensor, weight: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, group: int) -> None:
+def swiglu_quant(h: torch.Tensor, weight: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, group: int,
+                 activation_clamp: float = 0.0) -> None:
     """``q, sf = quantize(silu(h[:, :N]) * h[:, N:] * weight[:, None])`` with one scale per ``group``
     channels of a row (128: the recipe; N: one per row)."""
     rows, n = q.shape
@@ -265,7 +275,7 @@ def swiglu_quant(h: torch.Tensor, weight: torch.Tensor, q: torch.Tensor, sf: tor
         block, group_c = 4 * group, group
     _swiglu_quant_kernel[(rows, triton.cdiv(n, block))](
         h, h.stride(0), weight, q, q.stride(0), sf, sf.stride(0), n,
-        GROUP=group_c, BLOCK=block, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, num_warps=4,
+        GROUP=group_c, BLOCK=block, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, CLAMP=float(activation_clamp), num_warps=4,
     )
 
 

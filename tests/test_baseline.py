@@ -128,3 +128,21 @@ def test_distributed_matches_reference(dist_results, name, dtype, tol):
     for r in range(2):
         config = dist_results[r][f"{name}/{dtype}/config"]
         assert config["dtype"] == dtype and config["dispatch"] == "all_to_all_single"
+
+
+@pytest.mark.parametrize("backend", ["torch-bf16w", "torch"])
+def test_mxfp4_problems_with_a_clamp_follow_the_reference(backend):
+    """The unfused pipelines take MXFP4 weights converted once to the FP8 values the fused kernel
+    computes with, say so in their config, and apply the SwiGLU clamp."""
+    from megamoe_cli.backends import get_backend
+    from megamoe_cli.reference import moe_reference_distributed
+
+    shape = MoEShape(hidden=256, intermediate=128, num_experts=8, num_topk=3, weights="fp4", activation_clamp=0.5)
+    p = make_problem(shape, 0, 1, 24, 32, "cpu", seed=21)
+    runner = get_backend(backend).prepare(p, None, {})
+    assert runner.config["weights"] == "fp4 converted once to fp8 (read as fp8)"
+    y = runner()
+    ref = moe_reference_distributed(p)
+    assert _rel(y, ref) < FP8_TOL
+    unclamped = make_problem(MoEShape(256, 128, 8, 3, weights="fp4"), 0, 1, 24, 32, "cpu", seed=21)
+    assert _rel(moe_reference_distributed(unclamped), ref) > 0.1  # the clamp bites here
