@@ -46,7 +46,10 @@ def _check_multiple(op: str, name: str, dim_name: str, value: int) -> None:
 def _quantize_blocks(v: torch.Tensor, reduce_dims: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize FP32 ``v`` with one scale per block spanning ``reduce_dims``."""
     amax = v.abs().amax(dim=reduce_dims, keepdim=True)
-    sf = torch.clamp(amax, min=AMAX_FLOOR) / FP8_MAX
+    # A tensor divisor: CUDA divides by a Python scalar as a multiplication by its reciprocal, which
+    # rounds differently from the CPU's (and the kernel's) division and moves FP8 values across
+    # rounding boundaries; tensor by tensor, both devices divide correctly rounded.
+    sf = torch.clamp(amax, min=AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
     inv = torch.reciprocal(sf)
     # v * inv can exceed 448 by an ulp; clamping matches the kernel's saturating convert.
     q = torch.clamp(v * inv, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -179,7 +182,7 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     v = w.to(torch.float32).reshape(*lead, n, k // MX_BLOCK, MX_BLOCK)
     amax = v.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR)
     # frexp: amax / 6 = m * 2^e with m in [0.5, 1): ceil(log2) is e, or e - 1 when m is exactly 0.5
-    mant, exp = torch.frexp(amax / E2M1_MAX)
+    mant, exp = torch.frexp(amax / torch.full_like(amax, E2M1_MAX))  # a tensor divisor: see _quantize_blocks
     s = torch.where(mant == 0.5, exp - 1, exp)
     if int(s.max()) > UE8M0_NAN - 1 - UE8M0_BIAS:
         raise MegaMoEError(f"quantize_mxfp4: w holds values too large for a UE8M0 scale (amax {float(amax.max())})")

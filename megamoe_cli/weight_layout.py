@@ -124,9 +124,13 @@ def mxfp4_as_fp8_blocks(packed: torch.Tensor, scales: torch.Tensor) -> Tuple[tor
     kernel does; the unfused baseline reads MXFP4 weights this way (converted once, read as FP8)."""
     block_exp = fp4_block_exponents(scales)
     rel = fp4_scale_indices(scales, block_exp).to(torch.int32) - FP4_SCALE_BIAS
-    values = torch.ldexp(unpack_e2m1_values(packed), rel.repeat_interleave(MX_BLOCK, dim=-1))
+    e, n, half_k = packed.shape
+    out = torch.empty(e, n, 2 * half_k, dtype=torch.float8_e4m3fn, device=packed.device)
+    for i in range(e):  # one expert at a time: the FP32 intermediate of a whole layer can exceed the GPU
+        values = torch.ldexp(unpack_e2m1_values(packed[i]), rel[i].repeat_interleave(MX_BLOCK, dim=-1))
+        out[i] = values.to(torch.float8_e4m3fn)
     block_sf = torch.ldexp(torch.ones_like(block_exp, dtype=torch.float32), block_exp)
-    return values.to(torch.float8_e4m3fn), block_sf
+    return out, block_sf
 
 
 def unpack_e2m1_values(packed: torch.Tensor) -> torch.Tensor:
