@@ -135,12 +135,10 @@ def _probe_grouped_mm(w1: torch.Tensor) -> Optional[str]:
 
 class _TorchRunner:
     def __init__(self, problem: Problem, group, dtype: str, gemm: str, note: Optional[str]) -> None:
-        self.clamp = problem.shape.activation_clamp
-        weights_note = None
-        if problem.shape.weights == "fp4":
-            from .baseline_fp8 import fp8_weights_of
+        from .baseline_fp8 import fp8_weights_of
 
-            problem, weights_note = fp8_weights_of(problem)
+        self.clamp = problem.shape.activation_clamp
+        problem, weights_note = fp8_weights_of(problem)
         self.problem = problem
         self.group = group
         self.dtype = dtype

@@ -162,10 +162,13 @@ class _Layout:
         self.pool = -(-(self.R * self.capacity + self.E_local * (block_m - 1)) // block_m) * block_m
 
 
-def fp8_weights_of(problem: Problem) -> Tuple[Problem, str]:
-    """An MXFP4 problem with its weights as FP8 and 128x128 block scales, converted once: the
-    values the fused kernel's expansion computes with (weight_layout.mxfp4_as_fp8_blocks), read
-    by the baseline's FP8 GEMMs at a byte per weight; and the note its rows carry."""
+def fp8_weights_of(problem: Problem) -> Tuple[Problem, Optional[str]]:
+    """The problem with FP8 weights, and what its rows say about them: an MXFP4 problem's weights
+    as FP8 and 128x128 block scales, converted once (the values the fused kernel's expansion
+    computes with, weight_layout.mxfp4_as_fp8_blocks), read by the baseline's FP8 GEMMs at a byte
+    per weight; an FP8 problem as it is (no note)."""
+    if problem.shape.weights != "fp4":
+        return problem, None
     w1, w1_sf = mxfp4_as_fp8_blocks(problem.w1, problem.w1_sf)
     w2, w2_sf = mxfp4_as_fp8_blocks(problem.w2, problem.w2_sf)
     shape = dataclasses.replace(problem.shape, weights="fp8")
@@ -177,9 +180,7 @@ class _Runner:
     def __init__(self, problem: Problem, group, gemm: str, block_m: int, num_warps: int,
                  stages: Tuple[int, int], graph: bool, note: Optional[str]):
         self.clamp = problem.shape.activation_clamp
-        weights_note = None
-        if problem.shape.weights == "fp4":
-            problem, weights_note = fp8_weights_of(problem)
+        problem, weights_note = fp8_weights_of(problem)
         self.problem = problem
         self.group = group
         self.gemm = gemm

@@ -13,7 +13,7 @@ from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
 from megamoe_cli.quant import UE8M0_BIAS
 
-from test_fused import check_against_reference, rank_and_world, run_fused, shared_seed
+from test_fused import check_against_reference, check_uneven_and_empty_ranks, rank_and_world, run_fused, shared_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -42,12 +42,7 @@ def test_fp4_matches_reference(group, shape_name, num_tokens):
 
 
 def test_fp4_uneven_and_empty_ranks(group):
-    rank, world = rank_and_world(group)
-    seed = shared_seed(group)
-    for num_tokens in ((0 if rank == world - 1 else min(37 + 50 * rank, 299 - rank)), 0, min(5 + 100 * rank, 300 - rank)):
-        problem = make_problem(SMALL, rank, world, num_tokens, 300, "cuda", seed)
-        _, y = run_fused(problem, group)
-        check_against_reference(problem, group, y)
+    check_uneven_and_empty_ranks(group, SMALL)
 
 
 @pytest.mark.parametrize("routing", ["with_invalid", "one_expert", "imbalanced"])
