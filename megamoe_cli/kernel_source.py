@@ -221,18 +221,15 @@ def pack_params(
 
 
 ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
-# Diagnostic builds (timing only; NOPROMO / SAME_A / SAME_B give wrong results on purpose, PULL1
-# pulls tokens with one warp per CTA, STATIC_TILES takes tiles in a static round robin instead of
-# from the atomic counter, NO_L2_STORES drops the L2 epilogue's stores and NO_SILU the L1
-# epilogue's exponential and division (wrong results); fault injection: SLOW_PUBLISHER starts the L1 publisher warp 2 ms late
-# (correct results), STUCK_PUBLISHER never lets it publish (a timeout diagnostic)): see
-# csrc/megamoe/gemm.cuh and dispatch.cuh.
-EXPERIMENTS = ("NOPROMO", "SAME_A", "SAME_B", "PULL1", "STATIC_TILES", "SLOW_PUBLISHER",
-               "STUCK_PUBLISHER", "NO_L2_STORES", "NO_SILU")
+# Fault-injection builds the GPU fault tests run (csrc/megamoe/gemm.cuh, publish_l1_tiles):
+# SLOW_PUBLISHER starts the L1 publisher warp 2 ms late (correct results), STUCK_PUBLISHER never
+# lets it publish (a timeout diagnostic).  The release kernel carries no other build switch; the
+# diagnostic builds of past measurements are in git history (docs/PERF_NOTES.md names them).
+EXPERIMENTS = ("SLOW_PUBLISHER", "STUCK_PUBLISHER")
 
 
 def experiment_defines() -> Tuple[str, ...]:
-    """Macros of the diagnostic builds named in MEGAMOE_EXPERIMENT (comma-separated)."""
+    """Macros of the fault-injection builds named in MEGAMOE_EXPERIMENT (comma-separated)."""
     raw = os.environ.get(ENV_EXPERIMENT, "").strip()
     if not raw:
         return ()

@@ -9,7 +9,7 @@
 # file> is reverse-applied to a copy and both kernels are timed alternately (AB_TOKENS, AB_CONFIGS,
 # AB_SKIP_TESTS, AB_NPROC=N: an expert-parallel layer over N GPUs, AB_ARGS: more profile_fused.py options
 # (e.g. "--b2b --iters 10": 20 calls back to back; add --b2b-given for calls given their inputs too),
-# AB_VARIANT_ENV="VAR=value ...": a third timing of this tree under that environment); diagnostic builds: MEGAMOE_EXPERIMENT=NOPROMO|SAME_A|SAME_B|PULL1 (timing only)
+# AB_VARIANT_ENV="VAR=value ...": a third timing of this tree under that environment)
 # knob: KNOB=<environment variable> KNOB_VALUES="<v1> <v2> ..." timed alternately in this one tree, each value
 # checked by the quick fused tier first (e.g. KNOB=MEGAMOE_PROMOTION_HINTS KNOB_VALUES="off yield hold")
 set -uo pipefail

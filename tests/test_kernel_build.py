@@ -140,10 +140,10 @@ def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch)
     v = Variant(PRESETS["small"], 2, 64, 64, 4, 1)
     monkeypatch.delenv(ENV_EXPERIMENT, raising=False)
     assert "MEGAMOE_EXP_" not in generate_source(v)
-    monkeypatch.setenv(ENV_EXPERIMENT, "noPromo, same_b")
+    monkeypatch.setenv(ENV_EXPERIMENT, "slow_Publisher, ")
     source = generate_source(v)
-    assert "#define MEGAMOE_EXP_NOPROMO 1" in source and "#define MEGAMOE_EXP_SAME_B 1" in source
-    assert "MEGAMOE_EXP_SAME_A" not in source
+    assert "#define MEGAMOE_EXP_SLOW_PUBLISHER 1" in source
+    assert "MEGAMOE_EXP_STUCK_PUBLISHER" not in source
     monkeypatch.setenv(ENV_EXPERIMENT, "nopromo,fast")
     with pytest.raises(MegaMoEError) as err:
         generate_source(v)
@@ -152,6 +152,8 @@ def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch)
     text = "".join(p.read_text() for p in (csrc_dir() / "megamoe").glob("*.cuh"))
     for name in EXPERIMENTS:
         assert f"MEGAMOE_EXP_{name}" in text
+    # ... and the kernel switches on no other: the release path carries no experiment of the past.
+    assert set(re.findall(r"MEGAMOE_EXP_([A-Z0-9_]+)", text)) == set(EXPERIMENTS)
 
 
 def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch):

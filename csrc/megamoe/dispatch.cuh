@@ -301,13 +301,7 @@ __device__ __forceinline__ void build_schedule(const Params& p, Schedule& s, uin
 // pool via TMA.
 __device__ __forceinline__ void dispatch_pull(const Params& p, const Schedule& s, uint32_t dispatch_warp,
                                               uint32_t lane) {
-#ifdef MEGAMOE_EXP_PULL1  // diagnostic: one pulling warp per CTA instead of two
-    constexpr uint32_t kPullWarps = 1;
-    if (dispatch_warp >= kPullWarps)
-        return;
-#else
     constexpr uint32_t kPullWarps = kNumDispatchWarps - 1;  // the last one publishes L1 tiles
-#endif
     if (s.direct)
         return;  // the sources pushed every row (push_rows)
     const uint32_t num_rows = s.num_rows();

@@ -147,7 +147,6 @@ __device__ __forceinline__ uint32_t trace_tile(const Tile& tile) {
 // wait needs every CTA's consumers to have released iteration L - kNumStages; that iteration
 // belongs to tile i - 1 - kNumStages or later (every tile has at least one K block), so the
 // other producers have read slot i - 1 - kNumStages and every slot before it.
-// (MEGAMOE_EXP_STATIC_TILES, a diagnostic: entry 4's static round robin over clusters.)
 
 struct TileSource {
     uint32_t* counter;
@@ -155,10 +154,6 @@ struct TileSource {
     uint32_t cluster_rank;
     uint32_t taken;   // tiles taken so far (the sequence number of the next one, minus 1)
     __device__ __forceinline__ uint32_t next(const Params& p) {
-#ifdef MEGAMOE_EXP_STATIC_TILES
-        (void)p;
-        return blockIdx.x / kClusterM + (taken++) * (gridDim.x / kClusterM);
-#else
         if constexpr (kClusterM == 1) {
             (void)p;
             return atomicAdd(counter, 1u);
@@ -182,7 +177,6 @@ struct TileSource {
             }
             return static_cast<uint32_t>(v);
         }
-#endif
     }
 };
 
@@ -317,11 +311,7 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
             ptx::cp_async_mbar_arrive(&ss.full[stage]);
             // Every CTA's stage receives all of A, its scales and B, whoever loads them
             ptx::mbar_arrive_expect_tx(&ss.full[stage], kStageTxBytes);
-#ifdef MEGAMOE_EXP_SAME_A  // diagnostic: A from two L2-hot blocks (wrong results)
-            const int32_t a_k = static_cast<int32_t>((kb % 2) * kBlockK), a_m = 0;
-#else
             const int32_t a_k = static_cast<int32_t>(kb * kBlockK), a_m = static_cast<int32_t>(a_row);
-#endif
             if (!share_a) {
                 ptx::tma_load_2d(ss.a[stage], tmap_a, &ss.full[stage], a_k, a_m);
                 ptx::tma_load_2d(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb);
@@ -329,11 +319,7 @@ __device__ __forceinline__ void producer_loop(const Params& p, SharedStorage& ss
                 ptx::tma_load_2d_multicast(ss.a[stage], tmap_a, &ss.full[stage], a_k, a_m, kClusterMask);
                 ptx::tma_load_2d_multicast(ss.sfa[stage], tmap_sfa, &ss.full[stage], a_row, kb, kClusterMask);
             }
-#ifdef MEGAMOE_EXP_SAME_B  // diagnostic: B from two L2-hot stages (wrong results)
-            const int32_t b_row = static_cast<int32_t>((kb % 2) * kBlockN);
-#else
             const int32_t b_row = static_cast<int32_t>((b_first + kb) * kBlockN);
-#endif
             if constexpr (kWeightFp4) {
                 const uint8_t* w = reinterpret_cast<const uint8_t*>(tile.is_l2 ? p.w2 : p.w1);
                 ptx::bulk_load(fp4_raw_stage(ss, stage), w + static_cast<uint64_t>(b_first + kb) * kFp4StageBytes,
@@ -547,15 +533,11 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
                 for (uint32_t e = 0; e < 2; ++e) {
                     float& gate = acc[64 * h + 8 * g + 2 * r + e];
                     const float up = acc[64 * h + 8 * g + 4 + 2 * r + e];
-#ifdef MEGAMOE_EXP_NO_SILU  // diagnostic: act = gate * up * weight, no exp / division (wrong results)
-                    gate = gate * up * weight[r];
-#else
                     if constexpr (kActivationClamp > 0.0f)
                         gate = silu(fminf(gate, kActivationClamp)) *
                                fminf(fmaxf(up, -kActivationClamp), kActivationClamp) * weight[r];
                     else
                         gate = silu(gate) * up * weight[r];
-#endif
                     amax[r] = fmaxf(amax[r], fabsf(gate));
                 }
             }
@@ -705,9 +687,6 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
                     const __nv_bfloat162 v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
                     packed[t] = *reinterpret_cast<const uint32_t*>(&v);
                 }
-#ifdef MEGAMOE_EXP_NO_L2_STORES  // diagnostic: the L2 epilogue converts but stores nothing (wrong results)
-                if (tile.rows == 0xffffffffu)  // never true; keeps the conversions
-#endif
                 *reinterpret_cast<uint4*>(dst + slice.half(h) * 128 + 32 * jj + 8 * q) =
                     make_uint4(packed[0], packed[1], packed[2], packed[3]);
             }
@@ -777,30 +756,6 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
             sfb_odd[h] = tile.is_l2 ? sfb_even[h] : ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h) + 1]);
         }
         const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
-#ifdef MEGAMOE_EXP_NOPROMO  // diagnostic: no promotion, WGMMAs accumulate straight into acc (wrong results)
-        #pragma unroll
-        for (uint32_t i = 0; i < 64 * Slice::kHalves; ++i)
-            ptx::warpgroup_fence_operand(acc[i]);
-        ptx::wgmma_fence();
-        #pragma unroll
-        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
-            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[b_tile] + slice.half(h) * 128 * kBlockK);
-            #pragma unroll
-            for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
-                ptx::wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc + 64 * h), desc_a + 2 * k,
-                                           desc_b + 2 * k, 1);
-        }
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        #pragma unroll
-        for (uint32_t i = 0; i < 64 * Slice::kHalves; ++i)
-            ptx::warpgroup_fence_operand(acc[i]);
-        if (lane == 0)
-            release_stage(ss, stage);
-        (void)sfa0; (void)sfa1; (void)sfb_even; (void)sfb_odd;
-        if (true)
-            continue;
-#endif
         #pragma unroll
         for (uint32_t h = 0; h < Slice::kHalves; ++h) {
             const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[b_tile] + slice.half(h) * 128 * kBlockK);
