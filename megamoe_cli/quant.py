@@ -186,9 +186,7 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     s = torch.where(mant == 0.5, exp - 1, exp)
     if int(s.max()) > UE8M0_NAN - 1 - UE8M0_BIAS:
         raise MegaMoEError(f"quantize_mxfp4: w holds values too large for a UE8M0 scale (amax {float(amax.max())})")
-    codes = e2m1_codes(torch.ldexp(v, -s))
-    codes = codes.reshape(*lead, n, k // 2, 2)
-    packed = codes[..., 0] | (codes[..., 1] << 4)
+    packed = pack_e2m1(e2m1_codes(torch.ldexp(v, -s)).reshape(*lead, n, k))
     return packed.contiguous(), (s + UE8M0_BIAS).to(torch.uint8).reshape(*lead, n, k // MX_BLOCK).contiguous()
 
 
@@ -212,6 +210,12 @@ def check_mxfp4(op: str, packed: torch.Tensor, scales: torch.Tensor) -> None:
         raise MegaMoEError(f"{op}: MXFP4 scales must be {expected} for weights {tuple(packed.shape)}, got {tuple(scales.shape)}")
     if scales.numel() and int(scales.max()) == UE8M0_NAN:
         raise MegaMoEError(f"{op}: MXFP4 scales hold the UE8M0 NaN code {UE8M0_NAN}; expected powers of two (0-254)")
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes ``uint8 [..., K]`` -> ``[..., K/2]``, the lower K index in the low nibble."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Tuple
 import torch
 
 from .kernel_source import BLOCK_N, FP4_STAGE_BYTES
-from .quant import MX_BLOCK, UE8M0_BIAS, unpack_e2m1
+from .quant import MX_BLOCK, UE8M0_BIAS, e2m1_values, pack_e2m1, unpack_e2m1
 
 BLOCK_K = 128
 # MXFP4 stage: 256 rows x 64 bytes of packed e2m1 codes, then 256 rows x 4 scale indices
@@ -77,12 +77,6 @@ def fp4_scale_indices(scales: torch.Tensor, block_exp: torch.Tensor) -> torch.Te
     return (s - b + FP4_SCALE_BIAS).clamp(0, FP4_NUM_SCALES - 1).to(torch.uint8)
 
 
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes ``uint8 [..., K]`` -> ``[..., K/2]``, the lower K index in the low nibble."""
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
 def fp4_stages(codes: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Permuted e2m1 codes ``[E, N, K]`` and their runs' scale indices ``[E, N, K/32]`` ->
     ``uint8 [E, N/256, K/128, FP4_STAGE_BYTES]``: per stage the packed rows, then the indices."""
@@ -127,14 +121,8 @@ def mxfp4_as_fp8_blocks(packed: torch.Tensor, scales: torch.Tensor) -> Tuple[tor
     e, n, half_k = packed.shape
     out = torch.empty(e, n, 2 * half_k, dtype=torch.float8_e4m3fn, device=packed.device)
     for i in range(e):  # one expert at a time: the FP32 intermediate of a whole layer can exceed the GPU
-        values = torch.ldexp(unpack_e2m1_values(packed[i]), rel[i].repeat_interleave(MX_BLOCK, dim=-1))
+        values = torch.ldexp(e2m1_values(unpack_e2m1(packed[i])), rel[i].repeat_interleave(MX_BLOCK, dim=-1))
         out[i] = values.to(torch.float8_e4m3fn)
     block_sf = torch.ldexp(torch.ones_like(block_exp, dtype=torch.float32), block_exp)
     return out, block_sf
 
-
-def unpack_e2m1_values(packed: torch.Tensor) -> torch.Tensor:
-    """``uint8 [..., K/2]`` -> the e2m1 values ``float32 [..., K]``."""
-    from .quant import e2m1_values
-
-    return e2m1_values(unpack_e2m1(packed))

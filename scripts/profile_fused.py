@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megamoe_cli.fused import FusedBackend, mega_moe, synchronize
 from megamoe_cli.gpus import gpu_spec
+from megamoe_cli.bench.metrics import expert_weight_bytes
 from megamoe_cli.layout import preset
 from megamoe_cli.problem import make_problem
 
@@ -111,9 +112,7 @@ def main() -> None:
         mine = idx[(idx >= rank * per_rank) & (idx < (rank + 1) * per_rank)]
         pairs = int(slowest(float(mine.numel())))  # pairs this rank computes (the busiest rank's)
         experts = int(slowest(float(torch.unique(mine).numel())))
-        # FP8: a byte per weight; MXFP4: half a byte and a scale byte per 32
-        per_weight = 1.0 if shape.weights == "fp8" else 0.5 + 1 / 32
-        weight_bytes = experts * 3 * shape.hidden * shape.intermediate * per_weight
+        weight_bytes = experts * expert_weight_bytes(shape)  # in the shape's format, scales included
         for cfg in args.configs.split(","):
             fields = [int(v) for v in cfg.split(":")]
             config = {"block_m": fields[0], "num_stages": fields[1]}

@@ -67,10 +67,13 @@ def sizes(preset, hidden, intermediate, num_experts, num_topk, weights, activati
 
 
 def weight_bytes_per_rank(shape, ranks: int) -> dict:
-    """Bytes of one rank's expert weights (L1 and L2, with their scales) in each format: FP8 is a
-    byte per weight and an FP32 per 128x128 block; MXFP4 half a byte and a byte per 32."""
-    weights = (shape.num_experts // ranks) * 3 * shape.hidden * shape.intermediate
-    return {"fp8": weights + weights // (128 * 128) * 4, "fp4": weights // 2 + weights // 32}
+    """Bytes of one rank's expert weights (L1 and L2, with their scales) in each format."""
+    import dataclasses
+
+    from ..bench.metrics import expert_weight_bytes
+
+    e_local = shape.num_experts // ranks
+    return {fmt: e_local * expert_weight_bytes(dataclasses.replace(shape, weights=fmt)) for fmt in ("fp8", "fp4")}
 
 
 def _render(layout, fit, verbose: bool, expert_weights: dict) -> None:
