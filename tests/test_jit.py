@@ -673,3 +673,31 @@ def test_modules_are_cached_and_unknown_functions_named(gpu_module):
     with pytest.raises(driver.CudaDriverError, match="CUDA_ERROR_NOT_FOUND") as caught:
         gpu_module.get_function("missing_kernel")
     assert "missing_kernel" in str(caught.value) and "'cluster_info'" in str(caught.value)
+
+
+def test_a_variant_whose_wgmmas_ptxas_serialized_is_refused_before_loading(monkeypatch):
+    """ptxas serializes WGMMAs when it runs short of registers (C7511): the kernel stays correct but
+    runs several times slower, so the runtime refuses such a release build as it refuses spills,
+    naming the note; a profiling build (extra counters) is still loaded."""
+    from types import SimpleNamespace
+
+    from megamoe_cli import jit
+    from megamoe_cli.errors import MegaMoEError
+    from megamoe_cli.fused import launch
+    from megamoe_cli.jit.build import PtxasReport
+    from megamoe_cli.kernel_source import Variant
+    from megamoe_cli.layout import PRESETS
+
+    note = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+            "to insufficient register resources for the wgmma pipeline in the function 'megamoe_kernel'")
+    report = PtxasReport.parse(note + "\nptxas info    : Compiling entry function 'megamoe_kernel' for 'sm_90a'\n"
+                               "ptxas info    : Used 168 registers, used 6 barriers\n")
+    assert "WGMMAs SERIALIZED" in report.summary()
+    loaded = []
+    monkeypatch.setattr(jit, "build", lambda sources: [SimpleNamespace(report=report, cubin_path="x.cubin")])
+    monkeypatch.setattr(jit, "load_module", lambda *args: loaded.append(args))
+    variant = Variant(PRESETS["deepseek-v3"], 2, 128, 64, 4)
+    monkeypatch.setattr(launch, "profiling_enabled", lambda: False)
+    with pytest.raises(MegaMoEError, match=r"ptxas serialized its WGMMAs \(ptxas info .*C7511.*\); expected none"):
+        launch.Kernel(variant, SimpleNamespace(index=0))
+    assert loaded == []

@@ -204,12 +204,14 @@ def test_candidate_configs_round_trip_and_ask_the_backend_for_every_knob():
 # ---------------------------------------------------------------------------- building
 
 
-def fake_kernel(spills=False):
-    report = SimpleNamespace(has_spills=spills, summary=lambda: "megamoe_kernel: 255 regs, SPILLS")
+def fake_kernel(spills=False, serialized=False):
+    summary = "megamoe_kernel: 255 regs, SPILLS" if spills else "megamoe_kernel: 168 regs; WGMMAs SERIALIZED by ptxas"
+    report = SimpleNamespace(has_spills=spills, serialized_wgmma=["(C7511) ... serialized ..."] if serialized else [],
+                             summary=lambda: summary)
     return SimpleNamespace(report=report)
 
 
-def test_build_failures_and_spills_are_excluded_with_their_own_reasons():
+def test_build_failures_spills_and_serialized_wgmma_are_excluded_with_their_own_reasons():
     variants = [Variant(SMALL, 2, 16, 64, s, c) for s in (2, 3, 4) for c in (1, 2)]
     broken = {variants[1].name: "kernel.cu(12): error: identifier \"x\" is undefined",
               variants[4].name: "ptxas fatal   : out of registers"}
@@ -222,13 +224,15 @@ def test_build_failures_and_spills_are_excluded_with_their_own_reasons():
         failed = [n for n in names if n in broken]
         if failed:
             raise BuildError(failed[0], "nvcc ...", f"note: compiling\n{broken[failed[0]]}\n", failed[1:])
-        return [fake_kernel(spills=n == spilling) for n in names]
+        return [fake_kernel(spills=n == spilling, serialized=n == serialized) for n in names]
 
+    serialized = variants[3].name
     reasons = lib.build_variants(variants, build)
     assert reasons == {
         variants[1]: "nvcc failed: kernel.cu(12): error: identifier \"x\" is undefined",
         variants[4]: "nvcc failed: ptxas fatal   : out of registers",
         variants[2]: "spills registers: megamoe_kernel: 255 regs, SPILLS",
+        variants[3]: "WGMMAs serialized by ptxas: megamoe_kernel: 168 regs; WGMMAs SERIALIZED by ptxas",
     }
     assert calls[0] == [v.name for v in variants]  # one parallel build of everything first
     assert [variants[4].name] in calls  # the second failure compiled alone for its own log
@@ -240,7 +244,7 @@ def test_build_failures_and_spills_are_excluded_with_their_own_reasons():
     lib.exclude_unbuilt([plan], reasons)
     assert len(plan.candidates) + len(plan.excluded) == before
     built_out = {(r.candidate.num_stages, r.candidate.cluster_m): r for r in plan.excluded}
-    assert set(built_out) == {(2, 2), (4, 1), (3, 1)}
+    assert set(built_out) == {(2, 2), (4, 1), (3, 1), (3, 2)}
     assert all(r.stage == "build" and r.status == EXCLUDED for r in built_out.values())
 
 

@@ -517,7 +517,7 @@ def build_variants(variants: Sequence[Variant], build: Optional[Callable] = None
             (kernel,) = build([kernel_build_source(variant)])
         except BuildError as exc:
             return _compiler_reason(exc.log)
-        return _spill_reason(kernel)
+        return _unusable_reason(kernel)
 
     pending = variants
     while pending:
@@ -535,16 +535,19 @@ def build_variants(variants: Sequence[Variant], build: Optional[Callable] = None
             pending = [v for v in pending if v.name not in failed]
             continue
         for variant, kernel in zip(pending, kernels):
-            reason = _spill_reason(kernel)
+            reason = _unusable_reason(kernel)
             if reason:
                 reasons[variant] = reason
         break
     return reasons
 
 
-def _spill_reason(kernel) -> str:
+def _unusable_reason(kernel) -> str:
+    """Why a built variant cannot be used (the runtime refuses it too: fused.launch.Kernel), or ""."""
     if kernel.report.has_spills:
         return f"spills registers: {kernel.report.summary()}"
+    if kernel.report.serialized_wgmma:
+        return f"WGMMAs serialized by ptxas: {kernel.report.summary()}"
     return ""
 
 

@@ -56,6 +56,11 @@ class Kernel:
         (built,) = build([kernel_build_source(variant, self.profile)])
         if built.report.has_spills and not self.profile:
             raise MegaMoEError(f"kernel variant {variant.name} spills registers: {built.report.summary()}")
+        if built.report.serialized_wgmma and not self.profile:
+            # ptxas found too few registers to keep WGMMAs in flight and waits after each one: the
+            # variant is correct but runs several times slower, so it is refused like a spilling one.
+            raise MegaMoEError(f"kernel variant {variant.name}: ptxas serialized its WGMMAs "
+                               f"({built.report.serialized_wgmma[0]}); expected none")
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
         # Scheduling hints on the promotion FFMAs (jit/sass.py); MEGAMOE_PROMOTION_HINTS=off loads the cubin as built.

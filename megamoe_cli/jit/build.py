@@ -159,6 +159,8 @@ class PtxasReport:
         for name, f in sorted(self.entries.items()):
             spill = f", SPILLS {f.spill_stores_bytes}B st/{f.spill_loads_bytes}B ld" if f.has_spills else ""
             parts.append(f"{name}: {f.registers} regs, {f.smem_bytes} B smem, {f.stack_frame_bytes} B stack{spill}")
+        if self.serialized_wgmma:
+            parts.append("WGMMAs SERIALIZED by ptxas")
         return "; ".join(parts) or "no entry functions"
 
     @classmethod
