@@ -23,6 +23,8 @@ Per rank ``d``:
 Floor of the layer: ``max over ranks of max(weight_bytes / HBM_bw,
 flops / FP8_peak, max(link_in, link_out) / NVLink_bw)``.  Rates reported in a
 row (TFLOPS, GB/s) are per GPU: totals over ranks / world_size / time.
+
+Imports: none of ``megamoe_cli.bench``.
 """
 
 from __future__ import annotations

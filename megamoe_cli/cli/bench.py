@@ -2,7 +2,7 @@
 
 Thin: points come from ``bench.sweep`` (a YAML file or these flags, through one validator), the
 run from ``bench.launcher.run_bench`` (torchrun, deadlines, rows appended as they finish), the
-summary view from ``bench.results``.  This module picks per-device defaults and renders.
+summary view from ``bench.compare``.  This module picks per-device defaults and renders.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
 
         sys.stdout.write("[\n" + ",\n".join(row_to_json(row) for row in result.rows) + "\n]\n")
     if result.rows:
-        from ..bench.results import STATUS_OK, summary
+        from ..bench.compare import summary
+        from ..bench.results import STATUS_OK
         from ._tables import rich_table
 
         ok = sum(1 for row in result.rows if row.get("status") == STATUS_OK)

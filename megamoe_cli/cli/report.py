@@ -1,6 +1,6 @@
 """``megamoe report``: a results file as a table (rich or markdown) and, when asked, a latency plot.
 
-Thin: reading and the summary view belong to ``megamoe_cli.bench.results``, the speed-up against
+Thin: reading belongs to ``megamoe_cli.bench.results``, the summary view and the speed-up against
 the strongest baseline at each point (named beside it) to ``megamoe_cli.bench.compare``; this
 module only formats.
 """
@@ -36,7 +36,8 @@ def report(results_file, markdown, as_json, plot_path):
       megamoe report results/bench.csv --markdown > results.md
       megamoe report results/bench.jsonl --plot latency.png --json
     """
-    from ..bench.results import STATUS_OK, read_results, summary
+    from ..bench.compare import summary
+    from ..bench.results import STATUS_OK, read_results
     from ..errors import MegaMoEError
     from ._console import stderr_console
     from ._tables import markdown_table, plain, rich_table
@@ -102,7 +103,8 @@ def _plot(frame, target: Path) -> bool:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    from ..bench.results import STATUS_OK, summary
+    from ..bench.compare import summary
+    from ..bench.results import STATUS_OK
 
     ok_rows = frame[frame["status"] == STATUS_OK]
     if ok_rows.empty:
