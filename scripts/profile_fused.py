@@ -187,7 +187,7 @@ def main() -> None:
                         print_profile(counters, config, rank if world > 1 else None,
                                       kb_l1=shape.hidden // 128, kb_l2=shape.intermediate // 128)
                         if args.trace:
-                            import trace_timeline
+                            from megamoe_cli.bench import timeline as trace_timeline
                             os.makedirs(args.trace, exist_ok=True)
                             name = "_".join(f"{k}{v}" for k, v in sorted(config.items()))
                             path = os.path.join(args.trace, f"trace_{tokens}_{name}_ws{world}_r{rank}.csv")

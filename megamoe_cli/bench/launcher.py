@@ -149,6 +149,20 @@ def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
     return "cpu", ranks, f"{why}running {ranks} CPU rank(s) with gloo; times are not GPU times"
 
 
+def fused_unavailable(device_kind: str, world_size: int) -> Optional[str]:
+    """Why the fused kernel (sm_90a code) cannot run on a run's ranks, or None when it can: CPU
+    ranks, or a GPU of another architecture (named with its ``sm_`` version)."""
+    if device_kind != "cuda":
+        return "this run is on CPU ranks"
+    import torch
+
+    for index in range(min(world_size, torch.cuda.device_count())):
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) != (9, 0):
+            return f"GPU {index} is {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+    return None
+
+
 def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -> None:
     """Refuse, before any rank starts, a backend this machine cannot run, saying why (the
     ranks would otherwise start, build and fail at every such point).  The fused kernel is
@@ -159,16 +173,13 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
     if not names:
         return
     which = " and ".join(names)
+    problem = fused_unavailable(device_kind, world_size)
+    if problem is None:
+        return
     if device_kind != "cuda":
-        raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only, and this run is on CPU ranks; "
+        raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only, and {problem}; "
                            "leave it out, or run on a machine with Hopper GPUs")
-    import torch
-
-    for index in range(min(world_size, torch.cuda.device_count())):
-        major, minor = torch.cuda.get_device_capability(index)
-        if (major, minor) != (9, 0):
-            raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only; GPU {index} is "
-                               f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})")
+    raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only; {problem}")
 
 
 # What one CPU rank (one core, gloo) takes, measured on the 2-core machine the CPU tests run on.

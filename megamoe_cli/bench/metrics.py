@@ -153,12 +153,19 @@ class Floor:
     bound: str  # "hbm", "compute" or "nvlink": the term that sets the floor
 
 
-def roofline_floor(t: Traffic, spec: GpuSpec) -> Floor:
-    terms = {
+def floor_terms(t: Traffic, spec: GpuSpec) -> Dict[str, float]:
+    """Seconds each resource alone needs on the busiest rank: ``hbm`` (its touched experts'
+    weights read once), ``compute`` (its FLOPs at the FP8 peak), ``nvlink`` (its busier link
+    direction)."""
+    return {
         "hbm": max(t.weight_bytes) / spec.hbm_bytes_per_s,
         "compute": max(t.flops) / spec.fp8_flops,
         "nvlink": max(max(a, b) for a, b in zip(t.link_in_bytes, t.link_out_bytes)) / spec.nvlink_bytes_per_s,
     }
+
+
+def roofline_floor(t: Traffic, spec: GpuSpec) -> Floor:
+    terms = floor_terms(t, spec)
     bound = max(terms, key=terms.__getitem__)
     return Floor(terms[bound], bound)
 

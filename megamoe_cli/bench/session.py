@@ -271,3 +271,22 @@ def kernel_diagnostic(runner: Any) -> Optional[str]:
         return read()
     except Exception:
         return None
+
+
+def load_backend(spec: str) -> Any:
+    """A backend by registry name (``fused``), or by ``module:attribute`` naming a backend object
+    or class (a stand-in that runs where the real one cannot, e.g. on CPU ranks in tests)."""
+    if ":" not in spec:
+        from ..backends import get_backend
+
+        return get_backend(spec)
+    backend = load_attribute(spec)
+    return backend() if isinstance(backend, type) else backend
+
+
+def load_attribute(spec: str) -> Any:
+    """The attribute ``module:attribute`` names."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)

@@ -74,7 +74,6 @@ plan's ``tune`` section; this module does not import the worker.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import itertools
 import math
 import os
@@ -99,7 +98,7 @@ from ..kernel_source import (
 )
 from ..layout import BufferConfig, MoEShape
 from .rundir import JsonlTail, append_json
-from .session import error_text, kernel_diagnostic, merge_errors
+from .session import error_text, kernel_diagnostic, load_backend, merge_errors
 from .sweep import SWEEP_KEYS, Checker, Point, parse_yaml, read_sweep_file, validate_sweep
 
 REL_ERR_LIMIT = 2e-2
@@ -666,17 +665,6 @@ def point_record(index: int, rank: int, results: Sequence[CandidateResult]) -> D
 
 def append_record(path: Union[str, Path], record: Mapping[str, Any]) -> None:
     append_json(Path(path), record)
-
-
-def load_backend(spec: str):
-    """A registry name (``fused``), or ``module:attribute`` naming a backend object or class."""
-    if ":" not in spec:
-        from ..backends import get_backend
-
-        return get_backend(spec)
-    module_name, _, attribute = spec.partition(":")
-    backend = getattr(importlib.import_module(module_name), attribute)
-    return backend() if isinstance(backend, type) else backend
 
 
 class CandidateTimer:

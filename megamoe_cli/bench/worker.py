@@ -24,9 +24,10 @@ the rank that failed first from them.  ``RankFailed`` carries a rank's own
 failure, ``LostPeerError`` a rank that only lost contact with a failed peer.
 
 A plan with a ``tune`` section (written by ``megamoe tune``) times each point's candidate
-kernel configs in lockstep instead (``bench.tune.tune_point``); the agreement
-(``Worker.agree``), watchdog and row handling are the same.  How a point is set up, timed and
-checked is ``bench.session``'s, for both.
+kernel configs in lockstep instead (``bench.tune.tune_point``), and one with a ``profile``
+section (``megamoe profile``) times the fused kernel alone (``bench.profile.profile_point``);
+the agreement (``Worker.agree``), watchdog and row handling are the same.  How a point is set
+up, timed and checked is ``bench.session``'s, for all three.
 
 Files in ``--run-dir`` (``bench.rundir``): ``rank<R>.pid`` (so the launcher can kill ranks that
 torchrun orphans), ``env.json`` (environment columns), ``progress.jsonl``
@@ -39,7 +40,7 @@ its prepare phase, ``MEGAMOE_TEST_HANG_AT_POINT`` never finishes its prepare
 phase.
 
 Imports: ``rundir``, ``session`` (module level); ``results``, ``sweep``, ``envinfo``, ``metrics``
-and, for its plan section, ``tune`` (inside functions).  Nothing imports the worker: the
+and, for their plan sections, ``tune`` and ``profile`` (inside functions).  Nothing imports the worker: the
 launcher starts it by module name.
 """
 
@@ -331,6 +332,10 @@ class Worker:
             from .tune import tune_point
 
             return tune_point(self, index, point)
+        if "profile" in self.plan:
+            from .profile import profile_point
+
+            return profile_point(self, index, point)
         from .results import STATUS_FAILED, STATUS_OK
 
         session = self.session

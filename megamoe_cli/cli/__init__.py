@@ -134,17 +134,19 @@ def main() -> None:
     """megamoe: a fused MoE layer (dispatch, expert GEMMs, combine) for Hopper GPUs.
 
     Measure it against the unfused PyTorch pipeline (bench), find its best kernel
-    configs (tune), see its symmetric-buffer memory (sizes) and render results (report).
+    configs (tune), see its symmetric-buffer memory (sizes) and render results (report);
+    time the kernel alone and where its cycles go (profile).
     """
 
 
 def _register() -> None:
     from .bench import bench
+    from .profile import profile
     from .report import report
     from .sizes import sizes
     from .tune import tune
 
-    for command in (sizes, bench, tune, report):
+    for command in (sizes, bench, tune, report, profile):
         main.add_command(command)
 
 
