@@ -443,7 +443,7 @@ def terminate_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = DEFAUL
         pass
 
 
-class _SignalsHeld:
+class SignalsHeld:
     """Holds SIGINT, SIGTERM and SIGHUP while torchrun starts: a Python handler raising between
     the fork and the line that records torchrun's PID would leave torchrun running with nothing
     to stop it.  ``deliver()``, called where a stop is handled, raises what was held."""
@@ -660,7 +660,7 @@ def run_bench(
     def take_rows() -> None:
         # A stop signal raised between reading a row and recording it would lose the row, or
         # leave it in out_path uncounted: it waits until the rows read are all recorded.
-        with _SignalsHeld() as held:
+        with SignalsHeld() as held:
             take_rows_now()
         held.deliver()
 
@@ -688,7 +688,7 @@ def run_bench(
                 waiting_for = f"the ranks did not exit within {wait:g} s of the last point"
             deadline = time.monotonic() + wait + grace_s
 
-    held = _SignalsHeld()
+    held = SignalsHeld()
     with held, open(log_path, "wb") as log:
         proc = subprocess.Popen(
             torchrun_command(world_size, plan_path, rows_path, run_dir),

@@ -135,18 +135,20 @@ def main() -> None:
 
     Measure it against the unfused PyTorch pipeline (bench), find its best kernel
     configs (tune), see its symmetric-buffer memory (sizes) and render results (report);
-    time the kernel alone and where its cycles go (profile).
+    time the kernel alone and where its cycles go (profile), and two trees or knob values
+    against each other (ab).
     """
 
 
 def _register() -> None:
+    from .ab import ab
     from .bench import bench
     from .profile import profile
     from .report import report
     from .sizes import sizes
     from .tune import tune
 
-    for command in (sizes, bench, tune, report, profile):
+    for command in (sizes, bench, tune, report, profile, ab):
         main.add_command(command)
 
 

@@ -12,69 +12,24 @@ import sys
 
 import click
 
-from ._options import IntList, shape_options
+from ._options import at_least_one, kernel_timing_options, shape_options
 
 WHAT = "megamoe profile times the fused kernel, which runs on Hopper GPUs (sm_90a) only"
 
 
-class ConfigList(click.ParamType):
-    """``auto,128:4,64:3:120`` -> kernel configs (``bench.profile.parse_config``)."""
-
-    name = "auto|B:S[:SMS[:C]][,...]"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        from ..bench.profile import parse_config
-        from ..errors import MegaMoEError
-
-        items = [part for part in str(value).split(",") if part.strip()]
-        if not items:
-            self.fail(f"expected kernel configs, got {value!r}", param, ctx)
-        try:
-            return [parse_config(item) for item in items]
-        except MegaMoEError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-def positive(name):
-    def check(ctx, param, value):
-        if value is not None and value < 1:
-            raise click.BadParameter(f"expected an integer >= 1, got {value}", param_hint=name)
-        return value
-    return check
-
-
 @click.command()
 @shape_options()
-@click.option("--tokens", "num_tokens", type=IntList(),
-              help="Tokens per rank, comma-separated (default 64,16384: a decode and a prefill call).")
-@click.option("--configs", type=ConfigList(), default="auto", show_default=True,
-              help="Kernel configs, comma-separated: block_m:num_stages[:num_sms[:cluster_m]] (num_sms 0: every "
-                   "SM), or auto for the one the runtime chooses (tuned store, else the analytic default).")
-@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Ranks, one per GPU: 1 is the kernel alone with every expert local; N an expert-parallel "
-                   "layer over N GPUs.")
-@click.option("--warmup", type=click.IntRange(min=0), help="Untimed calls of each kind before timing (default 3).")
-@click.option("--iters", type=int, callback=positive("--iters"),
-              help="Timed samples of each kind; the median counts (default 20).")
-@click.option("--seed", type=click.IntRange(min=0), help="Seed of the generated problem (default 0).")
-@click.option("--given", is_flag=True,
-              help="Every kernel call gets the inputs given to mega_moe, so the kernel copies them into the buffer "
-                   "first (as the layer call and a graph replay do); without it they are already in the buffer.")
-@click.option("--back-to-back", "back_to_back", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Also time N kernel calls back to back per sample (no host gaps or barriers), per call; 0: off.")
+@kernel_timing_options()
 @click.option("--cycles", is_flag=True,
               help="Build the kernel with cycle counters (MEGAMOE_PROFILE=1) and show where the consumer "
                    "warpgroups, the producer and the dispatch warps spent a call; the times are then this "
                    "slower build's.")
-@click.option("--cycle-calls", "cycle_calls", type=int, callback=positive("--cycle-calls"),
+@click.option("--cycle-calls", "cycle_calls", type=int, callback=at_least_one("--cycle-calls"),
               help="With --cycles: calls back to back whose counters are averaged (default 1: one call after a "
                    "barrier, which includes the ranks' launch skew; 20: a decode loop's steady state).")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="With --cycles: write the profiled calls' timeline per config and rank to DIR "
                    "(trace_<tokens>_<config>_ws<ranks>_r<rank>.csv) and print its summary.")
-@click.option("--point-timeout", type=float, help="Seconds one point (all its configs) may take (default 600).")
 @click.option("--timeout", "run_timeout", type=float, help="Seconds the whole run may take.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point's configs as one JSON object on stdout.")
 def profile(preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens, configs, ranks,
@@ -101,30 +56,21 @@ def profile(preset, hidden, intermediate, num_experts, num_topk, weights, activa
       ncu -k megamoe_kernel --launch-skip 1 --launch-count 1 megamoe profile --tokens 16384 --configs 128:4 --iters 1 --warmup 0
     """
     from ..bench import profile as library
-    from ..bench.launcher import check_points
-    from ..bench.sweep import sweep_from_flags
     from ._console import stderr_console
 
     if cycle_calls is not None and not cycles:
         raise click.UsageError("--cycle-calls needs --cycles (it sets how many calls the counters average)")
     if trace_dir is not None and not cycles:
         raise click.UsageError("--trace needs --cycles (the timeline comes from the profiling build)")
-    if weights is not None and len(weights) != 1:
-        raise click.UsageError(f"--weights takes one format here, got {','.join(weights)}")
-    options = library.ProfileOptions.make(configs, given=given, back_to_back=back_to_back, cycles=cycles,
-                                          cycle_calls=cycle_calls or 1, trace_dir=trace_dir)
-    sweep = sweep_from_flags(
-        name="profile", preset=preset, hidden=hidden, intermediate=intermediate, num_experts=num_experts,
-        num_topk=num_topk, weights=weights, activation_clamp=activation_clamp, backends=["fused"],
-        num_tokens=num_tokens or list(library.DEFAULT_TOKENS), check=False,
-        warmup=library.DEFAULT_WARMUP if warmup is None else warmup,
-        iters=library.DEFAULT_ITERS if iters is None else iters, seed=seed, timeout_s=point_timeout)
-    check_points(sweep.points, ranks)
-    library.check_configs(sweep.points, options, ranks)
+    points, options = plan(preset=preset, hidden=hidden, intermediate=intermediate, num_experts=num_experts,
+                           num_topk=num_topk, weights=weights, activation_clamp=activation_clamp, num_tokens=num_tokens,
+                           configs=configs, ranks=ranks, warmup=warmup, iters=iters, seed=seed, given=given,
+                           back_to_back=back_to_back, point_timeout=point_timeout, cycles=cycles,
+                           cycle_calls=cycle_calls or 1, trace_dir=trace_dir)
     require_hopper(ranks, WHAT)
 
     console = stderr_console()
-    result = library.run_profile(sweep.points, options, world_size=ranks, timeout_s=run_timeout,
+    result = library.run_profile(points, options, world_size=ranks, timeout_s=run_timeout,
                                  progress=lambda message: console.print(message, highlight=False, markup=False))
     render(console, result)
     if as_json:
@@ -141,6 +87,29 @@ def profile(preset, hidden, intermediate, num_experts, num_topk, weights, activa
 
         raise PointsFailed(f"{len(failed)} of {sum(len(p.results) for p in result.points)} config(s) failed; their "
                            "lines say why")
+
+
+def plan(*, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens, configs, ranks,
+         warmup, iters, seed, given, back_to_back, point_timeout, cycles=False, cycle_calls=1, trace_dir=None):
+    """The points and options the timing flags describe, checked as far as they can be without a
+    GPU (shape, tokens, ranks, each config at each point)."""
+    from ..bench import profile as library
+    from ..bench.launcher import check_points
+    from ..bench.sweep import sweep_from_flags
+
+    if weights is not None and len(weights) != 1:
+        raise click.UsageError(f"--weights takes one format here, got {','.join(weights)}")
+    options = library.ProfileOptions.make(configs, given=given, back_to_back=back_to_back, cycles=cycles,
+                                          cycle_calls=cycle_calls, trace_dir=trace_dir)
+    sweep = sweep_from_flags(
+        name="profile", preset=preset, hidden=hidden, intermediate=intermediate, num_experts=num_experts,
+        num_topk=num_topk, weights=weights, activation_clamp=activation_clamp, backends=["fused"],
+        num_tokens=num_tokens or list(library.DEFAULT_TOKENS), check=False,
+        warmup=library.DEFAULT_WARMUP if warmup is None else warmup,
+        iters=library.DEFAULT_ITERS if iters is None else iters, seed=seed, timeout_s=point_timeout)
+    check_points(sweep.points, ranks)
+    library.check_configs(sweep.points, options, ranks)
+    return sweep.points, options
 
 
 def require_hopper(ranks: int, what: str) -> None:
