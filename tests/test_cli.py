@@ -34,8 +34,8 @@ def assert_one_line_error(result, *fragments):
 def test_help_lists_every_command():
     result = run("--help")
     assert result.exit_code == 0
-    for command in ("sizes", "bench", "tune", "report"):
-        assert command in result.stdout
+    for command in ("sizes", "bench", "tune", "report", "record", "profile", "ab"):
+        assert f"\n  {command} " in result.stdout
 
 
 def test_version():

@@ -382,7 +382,7 @@ def profile_config(worker: Any, point: Any, problem: Any, config: Dict[str, int]
     if error is not None:
         return ConfigResult(config, FAILED, "prepare", error)
     runner, probe = held.pop("runner"), held.pop("probe")
-    used = {k: v for k, v in dict(getattr(runner, "config", None) or {}).items()}
+    used = dict(getattr(runner, "config", None) or {})
 
     def on_phase(text: str) -> None:
         worker.watchdog.phase = text
