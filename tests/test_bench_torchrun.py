@@ -334,7 +334,7 @@ def test_terminate_run_kills_processes_that_ignore_sigterm(tmp_path):
 
 
 def test_time_calls_barrier_precedes_every_timed_call_and_flush_stays_outside():
-    from megamoe_cli.bench.timing import Stats, time_calls
+    from megamoe_cli.bench.session import Stats, time_calls
 
     log = []
     results = []
@@ -356,11 +356,11 @@ def test_time_calls_barrier_precedes_every_timed_call_and_flush_stays_outside():
 
 
 def test_time_calls_times_calls_per_sample_back_to_back_and_reports_per_call(monkeypatch):
-    from megamoe_cli.bench import timing
-    from megamoe_cli.bench.timing import time_calls
+    from megamoe_cli.bench import session
+    from megamoe_cli.bench.session import time_calls
 
     clock = [0.0]  # a fake perf_counter: only a call advances it, by 3 ms + 1 ms per log entry so far
-    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(session, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     log = []
     results = []
 
@@ -380,11 +380,11 @@ def test_time_calls_times_calls_per_sample_back_to_back_and_reports_per_call(mon
 
 
 def test_time_calls_default_is_one_call_per_sample(monkeypatch):
-    from megamoe_cli.bench import timing
-    from megamoe_cli.bench.timing import time_calls
+    from megamoe_cli.bench import session
+    from megamoe_cli.bench.session import time_calls
 
     clock = [0.0]
-    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(session, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     log = []
 
     def call():
@@ -399,7 +399,7 @@ def test_time_calls_default_is_one_call_per_sample(monkeypatch):
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])
 def test_time_calls_refuses_calls_per_sample_below_one(bad):
-    from megamoe_cli.bench.timing import time_calls
+    from megamoe_cli.bench.session import time_calls
 
     calls = []
     with pytest.raises(ValueError) as info:
@@ -409,8 +409,8 @@ def test_time_calls_refuses_calls_per_sample_below_one(bad):
     assert calls == []  # refused before any call
 
 
-def test_worker_times_each_sample_as_the_points_calls_per_sample_calls():
-    from megamoe_cli.bench.worker import Worker
+def test_a_rank_session_times_each_sample_as_the_points_calls_per_sample_calls():
+    from megamoe_cli.bench.session import RankSession
 
     point = load_sweep_text(
         "name: t\nshape: {preset: small}\nnum_tokens: [4]\nbackends: [torch]\n"
@@ -422,19 +422,43 @@ def test_worker_times_each_sample_as_the_points_calls_per_sample_calls():
         log.append("call")
         return len(log)
 
-    worker = SimpleNamespace(barrier=lambda: log.append("barrier"), device_kind="cpu", flusher=None)
-    state = {"point": point, "runner": runner}
-    Worker._phase_timing(worker, state)
+    session = RankSession(rank=0, world_size=1, device="cpu", barrier=lambda: log.append("barrier"))
+    timed = session.time(runner, point)
     assert log == ["call"] + ["barrier", "call", "call", "call"] * 2
-    assert state["y"] == len(log)
+    assert timed.output == len(log)
+    assert timed.stats.min_us <= timed.stats.median_us <= timed.stats.max_us
+    log.clear()
+    session.time(runner, point, calls_per_sample=1)  # a tune candidate: one call per sample
+    assert log == ["call"] + ["barrier", "call"] * 2
+
+
+def test_a_rank_session_makes_one_l2_flusher_and_only_for_points_that_flush():
+    from megamoe_cli.bench.session import L2Flusher, RankSession
+
+    plain, flushed = (load_sweep_text("name: t\nshape: {preset: small}\nnum_tokens: [4]\nbackends: [torch]\n"
+                                      f"flush_l2: {flag}\n").points[0] for flag in ("false", "true"))
+    session = RankSession(rank=0, world_size=1, device="cpu")
+    assert session.flusher(plain) is None
+    first = session.flusher(flushed)
+    assert isinstance(first, L2Flusher) and session.flusher(flushed) is first
+
+
+def test_time_alternating_takes_one_sample_of_each_call_in_turn():
+    from megamoe_cli.bench.session import time_alternating
+
+    log = []
+    samples = time_alternating([lambda: log.append("a"), lambda: log.append("b")], warmup=1, iters=3,
+                               barrier=lambda: log.append("|"), device="cpu", calls_per_sample=2)
+    assert log == ["a", "b"] + ["|", "a", "a", "|", "b", "b"] * 3
+    assert [len(s) for s in samples] == [3, 3]
 
 
 def test_per_rank_errors_are_merged_naming_the_ranks():
-    from megamoe_cli.bench.worker import _merge_errors
+    from megamoe_cli.bench.session import merge_errors
 
-    assert _merge_errors([None, "prepare: X"]) == "rank 1: prepare: X"
-    assert _merge_errors(["prepare: X", "prepare: X"]) == "all ranks: prepare: X"
-    assert _merge_errors(["timing: A", None, "timing: A", "check: B"]) == "rank 0,2: timing: A; rank 3: check: B"
+    assert merge_errors([None, "prepare: X"]) == "rank 1: prepare: X"
+    assert merge_errors(["prepare: X", "prepare: X"]) == "all ranks: prepare: X"
+    assert merge_errors(["timing: A", None, "timing: A", "check: B"]) == "rank 0,2: timing: A; rank 3: check: B"
 
 
 def test_auto_device_without_a_gpu_says_it_runs_two_cpu_ranks():

@@ -34,8 +34,8 @@ def assert_one_line_error(result, *fragments):
 def test_help_lists_every_command():
     result = run("--help")
     assert result.exit_code == 0
-    for command in ("sizes", "bench", "tune", "report"):
-        assert command in result.stdout
+    for command in ("sizes", "bench", "tune", "report", "record", "profile", "ab"):
+        assert f"\n  {command} " in result.stdout
 
 
 def test_version():
@@ -596,7 +596,7 @@ def test_bench_tuned_config_flag_reaches_the_ranks_and_a_broken_one_is_named(fak
 def test_error_text_with_brackets_is_printed_as_it_came(tmp_path):
     # Library errors quote source locations in brackets; rich markup would read "[/...]" as a closing tag and
     # raise instead of showing the table that explains the failure.
-    from megamoe_cli.bench import results
+    from megamoe_cli.bench import compare, results
     from megamoe_cli.cli._console import stderr_console
     from megamoe_cli.cli._tables import rich_table
 
@@ -604,7 +604,7 @@ def test_error_text_with_brackets_is_printed_as_it_came(tmp_path):
     frame = results.read_results(_results_csv(tmp_path / "bench.csv", failed_error=gloo))
     console = stderr_console()
     with console.capture() as captured:
-        console.print(rich_table(results.summary(frame), title=f"decode: 1 of 4 points failed: {gloo}"))
+        console.print(rich_table(compare.summary(frame), title=f"decode: 1 of 4 points failed: {gloo}"))
         console.print(f"failed fused: {gloo}", style="red")
     text = captured.get()
     assert "pair.cc:553] Connection closed by peer [bold]" in text.replace("\n", "")

@@ -92,7 +92,7 @@ def test_a_point_without_any_baseline_has_no_ratio():
 def test_the_table_names_the_baseline_beside_each_ratio():
     p = {(pt.backend, pt.num_tokens): pt for pt in _points((8,))}
     frame = _frame([_row(p["fused-graph", 8], 50.0), _row(p["torch-graph", 8], 200.0)])
-    text = markdown_table(results.summary(frame))
+    text = markdown_table(compare.summary(frame))
     header, _, fused_line = text.splitlines()[:3]
     cells = [c.strip() for c in header.strip("|").split("|")]
     assert cells[-2:] == ["speed-up", "vs"]

@@ -444,7 +444,7 @@ def test_a_stop_signal_ends_every_process_of_the_run_and_keeps_its_rows(tmp_path
 
 
 def test_a_signal_while_torchrun_starts_is_held_until_its_pid_is_recorded():
-    """The launcher starts torchrun under _SignalsHeld: a stop signal raised inside Popen, after
+    """The launcher starts torchrun under SignalsHeld: a stop signal raised inside Popen, after
     the fork, would lose torchrun's pid and leave it and its ranks running."""
     caught = []
 
@@ -454,7 +454,7 @@ def test_a_signal_while_torchrun_starts_is_held_until_its_pid_is_recorded():
 
     saved = signal.signal(signal.SIGTERM, stop)
     try:
-        held = launcher._SignalsHeld()
+        held = launcher.SignalsHeld()
         with held:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)  # a Python handler runs between bytecodes: here, if it were not held

@@ -1,6 +1,7 @@
 """More ranks than GPUs: where each rank runs, how its buffer reaches the others (CUDA IPC), and
-the reference's collectives on a gloo group.  The GPU side runs in ``scripts/device_run.sh oversub``
-(the fused tier at world size 4 and 8 on 2 GPUs); these check the host logic without a GPU."""
+the reference's collectives on a gloo group.  The GPU side is the fused tier at world size 4 and 8
+on 2 GPUs (``OVERSUB_RANKS="4 8" scripts/gpu_tests.sh quick tests/gpu/test_fused.py``); these check
+the host logic without a GPU."""
 
 import pytest
 import torch

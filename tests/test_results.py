@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from megamoe_cli.bench import results
-from megamoe_cli.bench.results import COLUMNS, append_rows, make_row, read_results, summary
+from megamoe_cli.bench import compare, results
+from megamoe_cli.bench.compare import summary
+from megamoe_cli.bench.results import COLUMNS, append_rows, make_row, read_results
 from megamoe_cli.bench.sweep import load_sweep_text
 from megamoe_cli.files import atomic_write
 from megamoe_cli.errors import MegaMoEError
@@ -267,7 +268,7 @@ def test_summary_speedup_pairs_rows_of_the_same_run_and_problem(tmp_path):
     path = tmp_path / "r.csv"
     append_rows(path, rows)
     view = summary(read_results(path))
-    assert list(view.columns) == list(results.SUMMARY_COLUMNS)
+    assert list(view.columns) == list(compare.SUMMARY_COLUMNS)
     speedups = list(view["speedup_vs_baseline"])
     assert speedups[0] == pytest.approx(4.0)
     assert speedups[1] == pytest.approx(1.0)

@@ -1,12 +1,13 @@
-"""scripts/trace_timeline.py: the profiling build's timeline, put on one axis and summarized."""
+"""The profiling build's timeline (``bench.timeline``), put on one axis and summarized, and the
+script that summarizes a saved one."""
 
-import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
+import megamoe_cli.bench.timeline as tl
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trace_timeline.py"
-spec = importlib.util.spec_from_file_location("trace_timeline", SCRIPT)
-tl = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tl)
 
 
 def ev(cta, kind, us, clock_offset=0, epoch=7, layer=1, expert=0, n=0, clock_ghz=2.0, timer_step_ns=1):
@@ -119,3 +120,13 @@ def test_read_trace_unpacks_what_the_kernel_packs_and_names_every_kind():
     module.read_global = lambda name: struct.pack("<I", 9) if name == "megamoe_trace_count" else raw
     got = Kernel.read_trace(SimpleNamespace(module=module, _require_profile=lambda: None))
     assert got[-1]["kind"] == "dropped 4"
+
+
+def test_a_saved_timeline_is_summarized_again_by_the_script(tmp_path):
+    path = tmp_path / "trace.csv"
+    tl.write_csv(str(path), two_ctas())
+    assert tl.summarize(tl.read_csv(str(path)), bin_us=10.0) == tl.summarize(two_ctas(), bin_us=10.0)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(path), "--bin-us", "10"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == tl.summarize(two_ctas(), bin_us=10.0)

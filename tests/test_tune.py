@@ -787,24 +787,25 @@ def test_cli_run_that_faults_shows_what_it_measured_then_one_error_line(store, m
     assert not store.exists()
 
 
-def test_a_rank_session_measures_its_median_error_and_reference_norm():
-    from types import SimpleNamespace
-
+def test_a_candidate_timer_measures_its_median_error_and_reference_norm():
     import torch
 
-    from megamoe_cli.bench.tune import _RankSession
+    from megamoe_cli.bench.session import RankSession, Reference
+    from megamoe_cli.bench.tune import CandidateTimer
 
-    worker = SimpleNamespace(barrier=lambda: None, device_kind="cpu", flusher=None)
-    point = SimpleNamespace(warmup=1, iters=3, flush_l2=False)
-    session = _RankSession(worker, point, backend=None)
-    session.y_ref = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
     calls = []
+    session = RankSession(rank=0, world_size=1, device="cpu", barrier=lambda: calls.append("barrier"))
+    point = SimpleNamespace(warmup=1, iters=3, flush_l2=False, calls_per_sample=20)
+    timer = CandidateTimer(session, point, backend=None)
+    timer.reference = Reference.__new__(Reference)  # what make_reference computes once per point
+    timer.reference.y = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
+    timer.reference.norm_sq = 25.0
 
     def runner():
-        calls.append(1)
+        calls.append("call")
         return torch.tensor([[3.0, 4.5]], dtype=torch.bfloat16)
 
-    session.ref_sq = 25.0  # what make_reference computes once
-    median_us, diff_sq, ref_sq = session.measure(runner)
-    assert len(calls) == 4 and median_us >= 0
+    median_us, diff_sq, ref_sq = timer.measure(runner)
+    assert calls == ["call"] + ["barrier", "call"] * 3  # one call per sample, whatever the point says
+    assert median_us >= 0
     assert (diff_sq, ref_sq) == (0.25, 25.0)

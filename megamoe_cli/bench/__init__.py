@@ -1,12 +1,14 @@
-"""`megamoe bench` as a library: sweep schema, torchrun launcher, per-rank worker,
-timing, metrics, results store and environment metadata.
+"""The measuring library behind ``megamoe bench`` and ``tune``: sweep schema, torchrun launcher
+and its run folder, per-rank worker and session (a point's problem, timing, check), metrics,
+results store, speed-ups and environment metadata.
 
 Importing this package does not import torch; the launcher and worker do so
 when they run.
 """
 
+from .compare import summary
 from .launcher import BenchEvent, BenchResult, run_bench
-from .results import COLUMNS, append_rows, read_results, summary
+from .results import COLUMNS, append_rows, read_results
 from .sweep import Point, Sweep, load_sweep, load_sweep_text, sweep_from_flags
 
 __all__ = [

@@ -11,6 +11,11 @@ baseline; a baseline row gets its own ratio too (1.0 for the strongest).
 Rows written before the FP8 baseline existed name the pipeline now called ``torch-bf16w``
 ``torch``; their config says ``dtype: fp8``, which the FP8 baseline's never does, and
 :func:`canonical_backends` names them by what they ran.
+
+``summary`` is the view every table of result rows shows (``megamoe bench``, ``report``,
+``record``): one line per row with its speed-up and the baseline it is against.
+
+Imports: ``results`` (the schema's columns).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 
 from ..backends import BASELINE_BACKENDS
+from .results import PROBLEM_COLUMNS, STATUS_OK
 
 # The name the BF16-GEMM pipeline had when it was the only FP8-recipe baseline.
 _RENAMED = {("torch", "fp8"): "torch-bf16w"}
@@ -43,8 +49,6 @@ def with_speedup(frame):
     """``frame`` with ``backend`` canonical and two columns added: ``baseline`` (the fastest
     baseline backend with a successful row at the same point, None without one) and
     ``speedup_vs_baseline`` (its time / this row's time; NaN for failed rows or without a baseline)."""
-    from .results import PROBLEM_COLUMNS, STATUS_OK
-
     frame = frame.copy()
     frame["backend"] = canonical_backends(frame)
     key = list(PROBLEM_COLUMNS) + list(TIMING_COLUMNS)
@@ -60,3 +64,48 @@ def with_speedup(frame):
     frame["speedup_vs_baseline"] = [s if u else float("nan") for s, u in zip(speedup, usable)]
     frame["baseline"] = [b if isinstance(b, str) else None for b in merged["_baseline"]]
     return frame
+
+
+SUMMARY_COLUMNS = (
+    "backend",
+    "shape",
+    "num_tokens",
+    "block_m",
+    "status",
+    "time_us_median",
+    "tflops",
+    "floor_fraction",
+    "rel_err_layer",
+    "rel_err",
+    "speedup_vs_baseline",
+    "baseline",
+)
+
+
+def summary(frame):
+    """A compact view for display: one line per row with its speed-up against the strongest
+    baseline at its point (``bench.compare``).  When some row was
+    timed over several calls per sample, a ``calls_per_sample`` column follows the time, so
+    steady-state rows are never read as single calls; when the rows' medians are over different
+    numbers of timed samples (``iters``), that column follows too, so a 10-sample median is not
+    read beside a 30-sample one as if alike."""
+    frame = with_speedup(frame)
+
+    def shape_name(row) -> str:
+        if row["preset"]:
+            return row["preset"]
+        name = f"{row['hidden']}/{row['intermediate']}/{row['num_experts']}/top-{row['num_topk']}"
+        if row.get("weights") == "fp4":
+            name += " fp4"
+        clamp = row.get("activation_clamp")
+        if isinstance(clamp, float) and clamp > 0:
+            name += f" clamp {clamp:g}"
+        return name
+
+    frame["shape"] = frame.apply(shape_name, axis=1) if len(frame) else []
+    columns = list(SUMMARY_COLUMNS)
+    if len(frame) and (frame["calls_per_sample"].fillna(1) != 1).any():
+        columns.insert(columns.index("time_us_median") + 1, "calls_per_sample")
+    if len(frame) and frame["iters"].nunique(dropna=True) > 1:
+        columns.insert(columns.index("time_us_median") + 1, "iters")
+    return frame[columns]

@@ -3,6 +3,8 @@
 Collected once per run by rank 0 of the worker (the process that owns a GPU),
 so the launcher never creates a CUDA context of its own.  Every probe is
 bounded in time and degrades to an empty value rather than failing the run.
+
+Imports: none of ``megamoe_cli.bench``.
 """
 
 from __future__ import annotations

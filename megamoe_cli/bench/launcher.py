@@ -25,6 +25,10 @@ A failed run names the rank that failed first and its cause, from the
 failure records torchrun's agent collects (each rank's exit code or signal
 and its ``@record`` error file); the run folder, with every rank's output in
 ``torchrun.log``, is kept and named.  A clean run's folder is removed.
+
+Imports: ``results``, ``rundir``, ``sweep`` (module level); ``envinfo`` (inside a function).
+The launcher starts ``bench.worker`` by module name and reads what it writes through
+``bench.rundir``, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..errors import MegaMoEError
 from ..layout import BufferConfig
 from .results import append_rows, check_output_path
+from .rundir import (ELASTIC_DIR, ENV_FILE, FAILURES_FILE, FATAL_FILE, LOG_FILE, LOST_CONTACT, PID_FILE, PLAN_FILE,
+                     PROGRESS_FILE, ROWS_FILE, JsonlTail)
 from .sweep import Point, points_to_json
-from .worker import ENV_FILE, FATAL_FILE, LOST_CONTACT, PID_FILE, PROGRESS_FILE
 
 # Multicast / NVLS stays off on these machines (see SPEC §9); set for every run.
 RUN_ENV = {
@@ -64,10 +69,6 @@ SHUTDOWN_S = 60.0
 POLL_S = 0.2
 LOG_TAIL_LINES = 8
 MESSAGE_CHARS = 300
-# Written by bench.torchrun when ranks fail: their torch.distributed.elastic failure records.
-FAILURES_FILE = "failures.json"
-# torchrun's log folder (per-rank error files), inside the run folder so it goes with it.
-ELASTIC_DIR = "elastic"
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
@@ -148,6 +149,20 @@ def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
     return "cpu", ranks, f"{why}running {ranks} CPU rank(s) with gloo; times are not GPU times"
 
 
+def fused_unavailable(device_kind: str, world_size: int) -> Optional[str]:
+    """Why the fused kernel (sm_90a code) cannot run on a run's ranks, or None when it can: CPU
+    ranks, or a GPU of another architecture (named with its ``sm_`` version)."""
+    if device_kind != "cuda":
+        return "this run is on CPU ranks"
+    import torch
+
+    for index in range(min(world_size, torch.cuda.device_count())):
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) != (9, 0):
+            return f"GPU {index} is {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+    return None
+
+
 def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -> None:
     """Refuse, before any rank starts, a backend this machine cannot run, saying why (the
     ranks would otherwise start, build and fail at every such point).  The fused kernel is
@@ -158,16 +173,13 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
     if not names:
         return
     which = " and ".join(names)
+    problem = fused_unavailable(device_kind, world_size)
+    if problem is None:
+        return
     if device_kind != "cuda":
-        raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only, and this run is on CPU ranks; "
+        raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only, and {problem}; "
                            "leave it out, or run on a machine with Hopper GPUs")
-    import torch
-
-    for index in range(min(world_size, torch.cuda.device_count())):
-        major, minor = torch.cuda.get_device_capability(index)
-        if (major, minor) != (9, 0):
-            raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only; GPU {index} is "
-                               f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})")
+    raise MegaMoEError(f"backend {which} runs on Hopper GPUs (sm_90a) only; {problem}")
 
 
 # What one CPU rank (one core, gloo) takes, measured on the 2-core machine the CPU tests run on.
@@ -431,7 +443,7 @@ def terminate_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = DEFAUL
         pass
 
 
-class _SignalsHeld:
+class SignalsHeld:
     """Holds SIGINT, SIGTERM and SIGHUP while torchrun starts: a Python handler raising between
     the fork and the line that records torchrun's PID would leave torchrun running with nothing
     to stop it.  ``deliver()``, called where a stop is handled, raises what was held."""
@@ -460,25 +472,6 @@ class _SignalsHeld:
             signum = self.held[0]
             self.held.clear()
             self.saved[signum](signum, None)
-
-
-class _JsonlTail:
-    """Reads the complete lines appended to a file since the last call."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-
-    def read(self) -> List[Dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------------------
@@ -647,14 +640,14 @@ def run_bench(
     plan.update(plan_extra or {})
     emit("info", message=note)
     run_dir = Path(tempfile.mkdtemp(prefix=f"megamoe-bench-{run_id}-", dir=run_root))
-    plan_path = run_dir / "plan.json"
-    rows_path = run_dir / "rows.jsonl"
-    log_path = run_dir / "torchrun.log"
+    plan_path = run_dir / PLAN_FILE
+    rows_path = run_dir / ROWS_FILE
+    log_path = run_dir / LOG_FILE
     plan_path.write_text(json.dumps(plan, indent=1))
 
     rows: List[Dict[str, Any]] = []
-    rows_tail = _JsonlTail(rows_path)
-    progress_tail = _JsonlTail(run_dir / PROGRESS_FILE)
+    rows_tail = JsonlTail(rows_path)
+    progress_tail = JsonlTail(run_dir / PROGRESS_FILE)
     started_at = time.monotonic()
     # What the run waits for next, and until when (each deadline includes the grace period).
     deadline = started_at + startup_timeout_s + grace_s
@@ -667,7 +660,7 @@ def run_bench(
     def take_rows() -> None:
         # A stop signal raised between reading a row and recording it would lose the row, or
         # leave it in out_path uncounted: it waits until the rows read are all recorded.
-        with _SignalsHeld() as held:
+        with SignalsHeld() as held:
             take_rows_now()
         held.deliver()
 
@@ -695,7 +688,7 @@ def run_bench(
                 waiting_for = f"the ranks did not exit within {wait:g} s of the last point"
             deadline = time.monotonic() + wait + grace_s
 
-    held = _SignalsHeld()
+    held = SignalsHeld()
     with held, open(log_path, "wb") as log:
         proc = subprocess.Popen(
             torchrun_command(world_size, plan_path, rows_path, run_dir),
@@ -792,7 +785,7 @@ def _stop_run(exc: BaseException, proc: subprocess.Popen, processes: RunProcesse
     if isinstance(exc, KeyboardInterrupt):
         where = f", in {out}" if out is not None and rows else ""
         if lost:  # the rows that did not reach ``out`` are still in the run folder's rows.jsonl
-            lost += f" (they are in {run_dir / 'rows.jsonl'})"
+            lost += f" (they are in {run_dir / ROWS_FILE})"
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
         emit("stopped", message=f"stopped: every rank ended; {len(rows)} of {total} point(s) measured{where}{lost}")

@@ -23,6 +23,8 @@ Per rank ``d``:
 Floor of the layer: ``max over ranks of max(weight_bytes / HBM_bw,
 flops / FP8_peak, max(link_in, link_out) / NVLink_bw)``.  Rates reported in a
 row (TFLOPS, GB/s) are per GPU: totals over ranks / world_size / time.
+
+Imports: none of ``megamoe_cli.bench``.
 """
 
 from __future__ import annotations
@@ -151,12 +153,19 @@ class Floor:
     bound: str  # "hbm", "compute" or "nvlink": the term that sets the floor
 
 
-def roofline_floor(t: Traffic, spec: GpuSpec) -> Floor:
-    terms = {
+def floor_terms(t: Traffic, spec: GpuSpec) -> Dict[str, float]:
+    """Seconds each resource alone needs on the busiest rank: ``hbm`` (its touched experts'
+    weights read once), ``compute`` (its FLOPs at the FP8 peak), ``nvlink`` (its busier link
+    direction)."""
+    return {
         "hbm": max(t.weight_bytes) / spec.hbm_bytes_per_s,
         "compute": max(t.flops) / spec.fp8_flops,
         "nvlink": max(max(a, b) for a, b in zip(t.link_in_bytes, t.link_out_bytes)) / spec.nvlink_bytes_per_s,
     }
+
+
+def roofline_floor(t: Traffic, spec: GpuSpec) -> Floor:
+    terms = floor_terms(t, spec)
     bound = max(terms, key=terms.__getitem__)
     return Floor(terms[bound], bound)
 

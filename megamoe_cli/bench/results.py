@@ -25,7 +25,7 @@ One row per (run, point).  Columns whose meaning is not in their name:
   scatters far more than the layer by rounding alone (see ``reference``).
 - ``run_id``: one ``megamoe bench`` invocation; rows of one run compare
   directly (``speedup_vs_baseline`` against the fastest baseline, named in ``baseline``, in the
-  summary view: ``bench.compare``).
+  summary view: ``bench.compare.summary``).
 
 Files are chosen by extension: ``.csv`` (default), ``.jsonl`` or ``.parquet``
 (needs pyarrow).  Appending never rewrites rows that
@@ -40,6 +40,8 @@ and a damaged row (bytes that are not text, a row whose field count differs from
 the header's, a JSON line cut short).  ``check_output_path`` applies the same
 reading to an existing ``--out``, and asks the filesystem whether it may write
 there, before a run starts.
+
+Imports: ``envinfo`` (the environment columns).
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from ..files import atomic_write, check_writable
 from ..errors import MegaMoEError
-from .compare import with_speedup
 from .envinfo import ENV_COLUMNS, utc_now
 
 SHAPE_COLUMNS = ("hidden", "intermediate", "num_experts", "num_topk")
@@ -516,48 +517,3 @@ def rows_frame(rows: Iterable[Row]):
     import pandas as pd
 
     return _typed(pd.DataFrame([{k: r.get(k) for k in COLUMNS} for r in rows], columns=list(COLUMNS)))
-
-
-SUMMARY_COLUMNS = (
-    "backend",
-    "shape",
-    "num_tokens",
-    "block_m",
-    "status",
-    "time_us_median",
-    "tflops",
-    "floor_fraction",
-    "rel_err_layer",
-    "rel_err",
-    "speedup_vs_baseline",
-    "baseline",
-)
-
-
-def summary(frame):
-    """A compact view for display: one line per row with its speed-up against the strongest
-    baseline at its point (``bench.compare``).  When some row was
-    timed over several calls per sample, a ``calls_per_sample`` column follows the time, so
-    steady-state rows are never read as single calls; when the rows' medians are over different
-    numbers of timed samples (``iters``), that column follows too, so a 10-sample median is not
-    read beside a 30-sample one as if alike."""
-    frame = with_speedup(frame)
-
-    def shape_name(row) -> str:
-        if row["preset"]:
-            return row["preset"]
-        name = f"{row['hidden']}/{row['intermediate']}/{row['num_experts']}/top-{row['num_topk']}"
-        if row.get("weights") == "fp4":
-            name += " fp4"
-        clamp = row.get("activation_clamp")
-        if isinstance(clamp, float) and clamp > 0:
-            name += f" clamp {clamp:g}"
-        return name
-
-    frame["shape"] = frame.apply(shape_name, axis=1) if len(frame) else []
-    columns = list(SUMMARY_COLUMNS)
-    if len(frame) and (frame["calls_per_sample"].fillna(1) != 1).any():
-        columns.insert(columns.index("time_us_median") + 1, "calls_per_sample")
-    if len(frame) and frame["iters"].nunique(dropna=True) > 1:
-        columns.insert(columns.index("time_us_median") + 1, "iters")
-    return frame[columns]

@@ -16,6 +16,11 @@ sweep from command-line flags, so both paths give the same points::
 
 Points are expanded shape-major, then num_experts, num_topk, num_tokens,
 backend, block_m, so every backend's run of one problem sits next to the others.
+
+``parse_yaml`` (data plus each key's line) and ``Checker`` (type checks naming file, line and
+key) are public: ``bench.tune`` checks its tune sweeps' own keys with them.
+
+Imports: none of ``megamoe_cli.bench``.
 """
 
 from __future__ import annotations
@@ -172,7 +177,7 @@ class Sweep:
 # YAML with line numbers
 
 
-def _compose(text: str, source: str) -> Tuple[Any, Dict[Tuple, int]]:
+def parse_yaml(text: str, source: str) -> Tuple[Any, Dict[Tuple, int]]:
     """Parse YAML into plain data plus a map from key path to 1-based line."""
     loader = yaml.SafeLoader(text)
     try:
@@ -217,7 +222,7 @@ def _collect_lines(node: yaml.Node, path: Tuple, lines: Dict[Tuple, int], source
 # Validation
 
 
-class _Checker:
+class Checker:
     """Type checks that name the source, line and key path of every error."""
 
     def __init__(self, source: str, lines: Dict[Tuple, int]):
@@ -308,7 +313,7 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def _no_duplicates(check: _Checker, values: List[Any], path: Tuple) -> None:
+def _no_duplicates(check: Checker, values: List[Any], path: Tuple) -> None:
     seen = set()
     for v in values:
         key = json.dumps(v)
@@ -317,7 +322,7 @@ def _no_duplicates(check: _Checker, values: List[Any], path: Tuple) -> None:
         seen.add(key)
 
 
-def _shape_entry(check: _Checker, value: Any, path: Tuple) -> Tuple[Optional[str], MoEShape]:
+def _shape_entry(check: Checker, value: Any, path: Tuple) -> Tuple[Optional[str], MoEShape]:
     entry = check.mapping(value, path, SHAPE_ENTRY_KEYS)
     preset_name = None
     base: Dict[str, Any] = {}
@@ -351,7 +356,7 @@ def _shape_entry(check: _Checker, value: Any, path: Tuple) -> Tuple[Optional[str
     return preset_name, shape
 
 
-def _tokens_entry(check: _Checker, value: Any, path: Tuple) -> Tokens:
+def _tokens_entry(check: Checker, value: Any, path: Tuple) -> Tokens:
     if isinstance(value, list):
         if not value:
             raise check.fail(path, "expected a token count or a per-rank list of token counts, got []")
@@ -365,7 +370,7 @@ def _max_tokens(tokens: Tokens) -> int:
 
 def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None) -> Sweep:
     """Check a parsed sweep document and expand it into points."""
-    check = _Checker(source, lines or {})
+    check = Checker(source, lines or {})
     doc = check.mapping(data, (), SWEEP_KEYS)
 
     if "name" not in doc:
@@ -504,7 +509,7 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
 
 
 def load_sweep_text(text: str, source: str = "<sweep>") -> Sweep:
-    data, lines = _compose(text, source)
+    data, lines = parse_yaml(text, source)
     if data is None:
         raise MegaMoEError(f"{source}: the sweep file is empty; expected a mapping with keys {', '.join(SWEEP_KEYS)}")
     return validate_sweep(data, source, lines)

@@ -8,6 +8,8 @@ and the error record the rank's ``@record`` entry point wrote to ``TORCHELASTIC_
 (message, traceback, time).  torchrun only prints them; this entry point also writes them to
 ``FAILURES.json`` (atomically), so the launcher reads which rank failed first and why from
 records instead of from torchrun's log text.  The printed summary stays in the log.
+
+Imports: none of ``megamoe_cli.bench``.
 """
 
 from __future__ import annotations

@@ -61,14 +61,20 @@ only ``megamoe tune`` reads, narrows or widens the other dimensions; a dimension
 ``candidates`` section loads as a bench sweep too: ``megamoe bench --sweep`` on it measures the
 same points with the configs the runtime now chooses (``config_source`` "tuned+given" in the
 rows: block_m from the sweep, the other knobs from the tuned entry).
+
+On a rank, a point's problem, reference output, timing loop and L2 flush are the bench worker's
+own (``bench.session``, through ``CandidateTimer``): a candidate is timed as a bench point is,
+one call per sample.
+
+Imports: ``rundir``, ``session``, ``sweep`` (module level); ``launcher`` (the run),
+``envinfo`` and ``results`` (inside functions).  The bench worker imports this module for a
+plan's ``tune`` section; this module does not import the worker.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import itertools
-import json
 import math
 import os
 import re
@@ -91,7 +97,9 @@ from ..kernel_source import (
     kernel_build_source,
 )
 from ..layout import BufferConfig, MoEShape
-from .sweep import SWEEP_KEYS, Point, _Checker, _compose, read_sweep_file, validate_sweep
+from .rundir import JsonlTail, append_json
+from .session import error_text, kernel_diagnostic, load_backend, merge_errors
+from .sweep import SWEEP_KEYS, Checker, Point, parse_yaml, read_sweep_file, validate_sweep
 
 REL_ERR_LIMIT = 2e-2
 ALL_SMS = "all"
@@ -252,7 +260,7 @@ class TuneSweep:
     notes: List[str] = field(default_factory=list)
 
 
-def _grid(check: _Checker, doc: Mapping[str, Any]) -> CandidateGrid:
+def _grid(check: Checker, doc: Mapping[str, Any]) -> CandidateGrid:
     grid: Dict[str, Tuple[int, ...]] = {}
     if "block_m" in doc:
         grid["block_m"] = tuple(check.int_list(doc["block_m"], ("block_m",), 1))
@@ -281,7 +289,7 @@ def _grid(check: _Checker, doc: Mapping[str, Any]) -> CandidateGrid:
     return CandidateGrid(**grid)
 
 
-def _buckets(check: _Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str]]:
+def _buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str]]:
     """Token counts rounded up to their bucket's upper edge, and a note for each one moved."""
     if "num_tokens" not in doc:
         raise check.fail((), "missing required key 'num_tokens' (tokens per rank)")
@@ -309,7 +317,7 @@ def _buckets(check: _Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[s
 
 def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None) -> TuneSweep:
     """Check a parsed tune sweep and expand it into one fused point per shape and bucket."""
-    check = _Checker(source, lines or {})
+    check = Checker(source, lines or {})
     doc = check.mapping(data, (), TUNE_SWEEP_KEYS)
     if "num_max_tokens_per_rank" in doc:
         raise check.fail(("num_max_tokens_per_rank",),
@@ -333,7 +341,7 @@ def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]
 
 
 def load_tune_sweep_text(text: str, source: str = "<tune sweep>") -> TuneSweep:
-    data, lines = _compose(text, source)
+    data, lines = parse_yaml(text, source)
     if data is None:
         raise MegaMoEError(f"{source}: the tune sweep is empty; expected a mapping with keys "
                            f"{', '.join(TUNE_SWEEP_KEYS)}")
@@ -356,7 +364,7 @@ def with_grid(sweep: TuneSweep, **spans: Optional[Sequence[Union[int, str]]]) ->
     doc = {"block_m": given.pop("block_m")} if "block_m" in given else {}
     if given:
         doc["candidates"] = given
-    override = _grid(_Checker("command-line flags", {}), doc)
+    override = _grid(Checker("command-line flags", {}), doc)
     grid = replace(sweep.grid, **{key: getattr(override, key) for key in spans if spans[key]})
     return replace(sweep, grid=grid)
 
@@ -568,21 +576,16 @@ def exclude_unbuilt(plans: Sequence[PointPlan], reasons: Mapping[Variant, str]) 
 # Measuring in lockstep (every rank runs this; GPU-free, the callables carry the work)
 
 
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
                   rel_err_limit: float = REL_ERR_LIMIT) -> CandidateResult:
     """One candidate's result from every rank's ``{"error", "median_us", "diff_sq", "ref_sq"}``
     (``reference.squared_error`` of its output): the slowest rank's median is its time; the layer's
     error, every rank's pooled, decides whether it is right."""
     from ..reference import pooled_relative_error
-    from .worker import _merge_errors
 
     errors = [entry.get("error") for entry in per_rank]
     if any(errors):
-        return CandidateResult(candidate, EXCLUDED, "run", _merge_errors(errors))
+        return CandidateResult(candidate, EXCLUDED, "run", merge_errors(errors))
     times = tuple(float(entry["median_us"]) for entry in per_rank)
     slowest = times.index(max(times))
     squared = [(entry["diff_sq"], entry["ref_sq"]) for entry in per_rank]
@@ -634,12 +637,10 @@ def measure_candidates(
         try:
             runner = prepare(candidate)
         except Exception as exc:
-            error = _error_text(exc)
+            error = error_text(exc)
         errors = gather(error)
         if any(errors):
-            from .worker import _merge_errors
-
-            results.append(CandidateResult(candidate, EXCLUDED, "prepare", _merge_errors(errors)))
+            results.append(CandidateResult(candidate, EXCLUDED, "prepare", merge_errors(errors)))
             continue
         if on_phase is not None:
             on_phase(f"time {candidate.label}")
@@ -648,9 +649,9 @@ def measure_candidates(
             mine: Dict[str, Any] = {"error": None, "median_us": float(median_us), "diff_sq": float(diff_sq),
                                     "ref_sq": float(ref_sq)}
         except MegaMoEError as exc:
-            mine = {"error": _error_text(exc)}
+            mine = {"error": error_text(exc)}
         except Exception as exc:
-            fault = CandidateResult(candidate, FAULT, "run", _error_text(exc))
+            fault = CandidateResult(candidate, FAULT, "run", error_text(exc))
             rest = [CandidateResult(c, NOT_RUN, "", "the run stopped at an earlier fault")
                     for c in candidates[position + 1:]]
             raise CandidateFault(candidate, exc, results + [fault] + rest) from exc
@@ -666,52 +667,30 @@ def point_record(index: int, rank: int, results: Sequence[CandidateResult]) -> D
 
 
 def append_record(path: Union[str, Path], record: Mapping[str, Any]) -> None:
-    from .worker import _append_line
-
-    _append_line(Path(path), json.dumps(record))
+    append_json(Path(path), record)
 
 
-def _load_backend(spec: str):
-    """A registry name (``fused``), or ``module:attribute`` naming a backend object or class."""
-    if ":" not in spec:
-        from ..backends import get_backend
+class CandidateTimer:
+    """One rank's side of a tune point: the problem and its reference output (once), then per
+    candidate a runner (``prepare``) and its median time and error (``measure``), through the
+    rank's ``session.RankSession``."""
 
-        return get_backend(spec)
-    module_name, _, attribute = spec.partition(":")
-    backend = getattr(importlib.import_module(module_name), attribute)
-    return backend() if isinstance(backend, type) else backend
-
-
-class _RankSession:
-    """One rank's side of a tune point: problem, reference output, prepare, time, check."""
-
-    def __init__(self, worker, point: Point, backend):
-        self.worker = worker
+    def __init__(self, session, point: Point, backend):
+        self.session = session
         self.point = point
         self.backend = backend
         self.problem = None
-        self.y_ref = None
-        self.ref_sq = 0.0
+        self.reference = None
 
     def make_problem(self) -> None:
-        from ..problem import make_problem
-
-        w, p = self.worker, self.point
-        self.problem = make_problem(p.shape, w.rank, w.world_size, p.tokens_for_rank(w.rank, w.world_size),
-                                    p.num_max_tokens_per_rank, device=w.device, seed=p.seed, routing=p.routing)
-        if p.flush_l2 and w.flusher is None:
-            from .timing import L2Flusher
-
-            w.flusher = L2Flusher(w.device)
+        self.problem = self.session.problem(self.point)
+        self.session.flusher(self.point)
 
     def make_reference(self) -> None:
-        from ..reference import moe_reference_distributed, squared_error
-
-        self.y_ref = moe_reference_distributed(self.problem, self.worker.group)
-        self.ref_sq = squared_error(self.y_ref, self.y_ref)[1]
+        self.reference = self.session.reference(self.problem)
 
     def prepare(self, candidate: Candidate):
-        runner = self.backend.prepare(self.problem, self.worker.group, candidate.backend_config())
+        runner = self.backend.prepare(self.problem, self.session.group, candidate.backend_config())
         reported = dict(getattr(runner, "config", None) or {})
         asked = candidate.backend_config()
         used = {key: reported.get(key) for key in asked}
@@ -720,73 +699,46 @@ class _RankSession:
         return runner
 
     def measure(self, runner) -> Tuple[float, float, float]:
-        from ..reference import squared_error
-        from .timing import Stats, time_calls
-
-        w, p = self.worker, self.point
-        outputs: List[Any] = []
+        """(this rank's median us, ``reference.squared_error`` of the last output); one call per sample."""
         try:
-            times = time_calls(runner, warmup=p.warmup, iters=p.iters, barrier=w.barrier, device=w.device_kind,
-                               flush=w.flusher if p.flush_l2 else None, on_result=outputs.append)
+            timed = self.session.time(runner, self.point, calls_per_sample=1)
         except MegaMoEError:
             raise
         except Exception as exc:
-            diagnostic = _kernel_diagnostic(runner)
+            diagnostic = kernel_diagnostic(runner)
             if diagnostic:
-                raise MegaMoETimeout(f"{diagnostic} ({_error_text(exc)})") from exc
+                raise MegaMoETimeout(f"{diagnostic} ({error_text(exc)})") from exc
             raise
-        return Stats.of(times).median_us, squared_error(outputs[0], self.y_ref)[0], self.ref_sq
-
-
-def _kernel_diagnostic(runner) -> Optional[str]:
-    """The fused kernel's own failure record (rank, phase, expected and observed), if it left one."""
-    read = getattr(getattr(runner, "buf", None), "diagnostic", None)
-    if read is None:
-        return None
-    try:
-        return read()
-    except Exception:
-        return None
+        diff_sq, ref_sq = self.reference.squared_error(timed.output)
+        return timed.stats.median_us, diff_sq, ref_sq
 
 
 def tune_point(worker, index: int, point: Point) -> Dict[str, Any]:
     """Measure one point's candidates on this rank (the bench worker calls it for a plan with a
     ``tune`` section); rank 0 appends the point's record and returns its result row."""
-    from .results import STATUS_FAILED, STATUS_OK, make_row
+    from .results import STATUS_FAILED, STATUS_OK
 
     section = worker.plan["tune"]
     candidates = [Candidate.from_dict(c) for c in section["candidates"][index]]
     records = section["records"]
-    session = _RankSession(worker, point, _load_backend(section.get("backend", DEFAULT_BACKEND)))
+    timer = CandidateTimer(worker.session, point, load_backend(section.get("backend", DEFAULT_BACKEND)))
 
-    def row(status: str, **fields) -> Dict[str, Any]:
-        return make_row(point, run_id=worker.run_id, world_size=worker.world_size, device=worker.device_kind,
-                        env=worker.env, status=status, **fields)
-
-    for phase, step in (("problem", session.make_problem), ("reference", session.make_reference)):
-        worker.watchdog.phase = phase
-        error = None
-        try:
-            step()
-        except Exception as exc:
-            error = f"{phase}: {_error_text(exc)}"
-        errors = worker.gather(error)
-        if any(errors):
-            from .worker import _merge_errors
-
-            return row(STATUS_FAILED, error=_merge_errors(errors))
+    error = worker.agree((("problem", timer.make_problem), ("reference", timer.make_reference)))
+    if error is not None:
+        return worker.row(point, status=STATUS_FAILED, error=error)
 
     worker.watchdog.phase = "candidate lists"
     lists = worker.gather([c.to_dict() for c in candidates])
     if any(other != lists[0] for other in lists):
         differing = [r for r, other in enumerate(lists) if other != lists[0]]
-        return row(STATUS_FAILED, error=f"ranks {differing} hold other candidate lists than rank 0; nothing timed")
+        return worker.row(point, status=STATUS_FAILED,
+                          error=f"ranks {differing} hold other candidate lists than rank 0; nothing timed")
 
     def on_phase(text: str) -> None:
         worker.watchdog.phase = text
 
     try:
-        results = measure_candidates(candidates, prepare=session.prepare, measure=session.measure,
+        results = measure_candidates(candidates, prepare=timer.prepare, measure=timer.measure,
                                      gather=worker.gather, on_phase=on_phase)
     except CandidateFault as fault:
         append_record(records, point_record(index, worker.rank, fault.results))
@@ -796,10 +748,10 @@ def tune_point(worker, index: int, point: Point) -> Dict[str, Any]:
     winner = select_winner(results)
     if winner is None:
         reasons = "; ".join(f"{r.candidate.label}: {r.reason}" for r in results[:3])
-        return row(STATUS_FAILED, error=f"no candidate passed ({reasons})")
+        return worker.row(point, status=STATUS_FAILED, error=f"no candidate passed ({reasons})")
     timing = {"time_us_median": winner.time_us, "slowest_rank": winner.slowest_rank}
-    return row(STATUS_OK, timing=timing, rel_err=winner.rel_err, rel_err_layer=winner.rel_err_layer,
-               config=winner.candidate.backend_config())
+    return worker.row(point, status=STATUS_OK, timing=timing, rel_err=winner.rel_err,
+                      rel_err_layer=winner.rel_err_layer, config=winner.candidate.backend_config())
 
 
 # ---------------------------------------------------------------------------
@@ -985,13 +937,13 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
              launch: Optional[Callable], run_root) -> Tuple[str, str]:
     """Launch the ranks on the runnable points; save each winner as its row arrives."""
     from .envinfo import git_info, utc_now
-    from .launcher import _JsonlTail, run_bench
+    from .launcher import run_bench
 
     launch = launch or run_bench
     commit = git_info()["git_commit"]
     folder = Path(tempfile.mkdtemp(prefix="megamoe-tune-", dir=run_root))
     records_path = folder / "records.jsonl"
-    tail = _JsonlTail(records_path)
+    tail = JsonlTail(records_path)
     records: Dict[int, Dict[str, Any]] = {}
     saved = 0
 

@@ -24,10 +24,12 @@ the rank that failed first from them.  ``RankFailed`` carries a rank's own
 failure, ``LostPeerError`` a rank that only lost contact with a failed peer.
 
 A plan with a ``tune`` section (written by ``megamoe tune``) times each point's candidate
-kernel configs in lockstep instead (``bench.tune.tune_point``); the phases, agreement, watchdog
-and row handling are the same.
+kernel configs in lockstep instead (``bench.tune.tune_point``), and one with a ``profile``
+section (``megamoe profile``) times the fused kernel alone (``bench.profile.profile_point``);
+the agreement (``Worker.agree``), watchdog and row handling are the same.  How a point is set
+up, timed and checked is ``bench.session``'s, for all three.
 
-Files in ``--run-dir``: ``rank<R>.pid`` (so the launcher can kill ranks that
+Files in ``--run-dir`` (``bench.rundir``): ``rank<R>.pid`` (so the launcher can kill ranks that
 torchrun orphans), ``env.json`` (environment columns), ``progress.jsonl``
 (rank 0: one line per point started) and ``fatal.rank<R>.txt``.
 
@@ -36,6 +38,10 @@ ranks see a real peer failure): ``MEGAMOE_TEST_CRASH_AT_POINT`` exits the
 process at the start of that point, ``MEGAMOE_TEST_FAIL_AT_POINT`` raises in
 its prepare phase, ``MEGAMOE_TEST_HANG_AT_POINT`` never finishes its prepare
 phase.
+
+Imports: ``rundir``, ``session`` (module level); ``results``, ``sweep``, ``envinfo``, ``metrics``
+and, for their plan sections, ``tune`` and ``profile`` (inside functions).  Nothing imports the worker: the
+launcher starts it by module name.
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import threading
@@ -51,7 +56,11 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .rundir import (ENV_FILE, FATAL_FILE, LOST_CONTACT, PID_FILE, PROGRESS_FILE, append_line,
+                     write_text_atomic)
+from .session import RankSession, error_text, merge_errors
 
 TEST_CRASH_ENV = "MEGAMOE_TEST_CRASH_AT_POINT"
 TEST_FAIL_ENV = "MEGAMOE_TEST_FAIL_AT_POINT"
@@ -63,28 +72,6 @@ EXIT_TEST_CRASH = 1
 MAX_ERROR_CHARS = 1500
 # How long rank 0 waits for a dead peer's own account before recording a lost point.
 PEER_FATAL_WAIT_S = 2.0
-
-PID_FILE = "rank{rank}.pid"
-FATAL_FILE = "fatal.rank{rank}.txt"
-ENV_FILE = "env.json"
-PROGRESS_FILE = "progress.jsonl"
-# How a rank says it only lost contact with its peers (a consequence of another rank's failure).
-LOST_CONTACT = "lost contact with the other ranks"
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _append_line(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _test_hook(name: str, index: int, rank: int, world_size: int) -> bool:
@@ -175,7 +162,7 @@ def _fatal(run_dir: Path, rank: int, message: str, record: Optional[BaseExceptio
     path that leaves by ``os._exit``, where ``@record`` on ``main`` never sees an exception."""
     print(f"megamoe worker: {message}", file=sys.stderr, flush=True)
     try:
-        _write_text_atomic(run_dir / FATAL_FILE.format(rank=rank), message + "\n")
+        write_text_atomic(run_dir / FATAL_FILE.format(rank=rank), message + "\n")
     except OSError:
         pass
     if record is not None:
@@ -225,7 +212,7 @@ class Worker:
         self.env: Dict[str, Any] = {}
         self.current: Optional[Tuple[int, Any]] = None
         self.gpu = None
-        self.flusher = None
+        self.session: Optional[RankSession] = None
         self.watchdog = Watchdog(self.rank, run_dir, self._record_in_flight_failure)
 
     # -- setup ------------------------------------------------------------
@@ -249,11 +236,13 @@ class Worker:
             self.device = torch.device("cpu")
             dist.init_process_group("gloo", timeout=timeout)
         self.group = dist.group.WORLD
+        self.session = RankSession(rank=self.rank, world_size=self.world_size, device=self.device,
+                                   group=self.group, barrier=self.barrier)
         if self.rank == 0:
             from . import envinfo
 
             self.env = envinfo.collect(self.device_kind)
-            _write_text_atomic(self.run_dir / ENV_FILE, json.dumps(self.env))
+            write_text_atomic(self.run_dir / ENV_FILE, json.dumps(self.env))
         self.watchdog.disarm()
 
     # -- helpers ----------------------------------------------------------
@@ -272,7 +261,25 @@ class Worker:
             ) from exc
         return out
 
-    def _row(self, point, **fields) -> Dict[str, Any]:
+    def agree(self, steps: Sequence[Tuple[str, Callable[[], None]]]) -> Optional[str]:
+        """Run ``steps`` (name, callable) in order on every rank; after each one the ranks agree
+        (an all-gather of each rank's error).  Returns None when every step passed on every rank,
+        else the failed step's errors of every rank, naming them (``session.merge_errors``)."""
+        for name, step in steps:
+            self.watchdog.phase = name
+            error = None
+            try:
+                step()
+            except Exception as exc:
+                traceback.print_exc(file=sys.stderr)
+                error = f"{name}: {error_text(exc)}"[:MAX_ERROR_CHARS]
+            errors = self.gather(error)
+            if any(errors):
+                return merge_errors(errors)
+        return None
+
+    def row(self, point, **fields) -> Dict[str, Any]:
+        """A result row of ``point`` measured by this run (``results.make_row``)."""
         from .results import make_row
 
         return make_row(
@@ -292,7 +299,7 @@ class Worker:
 
         index, point = self.current
         try:
-            self.sink.write(index, self._row(point, status=STATUS_FAILED, error=prefix + message))
+            self.sink.write(index, self.row(point, status=STATUS_FAILED, error=prefix + message))
         except Exception:
             traceback.print_exc(file=sys.stderr)
 
@@ -301,7 +308,7 @@ class Worker:
     def run(self) -> None:
         for index, point in enumerate(self.points):
             if self.rank == 0:
-                _append_line(self.run_dir / PROGRESS_FILE, json.dumps({"event": "start", "index": index}))
+                append_line(self.run_dir / PROGRESS_FILE, json.dumps({"event": "start", "index": index}))
             if _test_hook(TEST_CRASH_ENV, index, self.rank, self.world_size):
                 message = f"rank {self.rank}: test hook {TEST_CRASH_ENV}={index}: exiting at point {index}"
                 _fatal(self.run_dir, self.rank, message, RankFailed(message))
@@ -325,31 +332,49 @@ class Worker:
             from .tune import tune_point
 
             return tune_point(self, index, point)
+        if "profile" in self.plan:
+            from .profile import profile_point
+
+            return profile_point(self, index, point)
         from .results import STATUS_FAILED, STATUS_OK
 
-        state: Dict[str, Any] = {"index": index, "point": point}
-        phases = (
-            ("problem", self._phase_problem),
-            ("prepare", self._phase_prepare),
-            ("timing", self._phase_timing),
-            ("check", self._phase_check),
-        )
-        for name, phase in phases:
-            self.watchdog.phase = name
-            error = None
-            try:
-                phase(state)
-            except Exception as exc:
-                traceback.print_exc(file=sys.stderr)
-                error = f"{name}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-            errors = self.gather(error)
-            if any(errors):
-                state.clear()
-                return self._row(point, status=STATUS_FAILED, error=_merge_errors(errors))
+        session = self.session
+        state: Dict[str, Any] = {}
+
+        def problem() -> None:
+            state["problem"] = session.problem(point)
+            state["counts"] = session.expert_counts(state["problem"], point.num_experts)
+
+        def prepare() -> None:
+            from ..backends import get_backend
+
+            if _test_hook(TEST_FAIL_ENV, index, self.rank, self.world_size):
+                raise RuntimeError(f"injected failure ({TEST_FAIL_ENV}={index})")
+            if _test_hook(TEST_HANG_ENV, index, self.rank, self.world_size):
+                while True:
+                    time.sleep(1.0)
+            runner = get_backend(point.backend).prepare(state["problem"], self.group, dict(point.config))
+            state["runner"] = runner
+            config = getattr(runner, "config", None)
+            state["config"] = json.loads(json.dumps(point.config if config is None else dict(config), default=str))
+            state["inputs_copy_timed"] = bool(getattr(runner, "inputs_copy_timed", True))
+            session.flusher(point)
+
+        def timing() -> None:
+            state["timed"] = session.time(state["runner"], point)
+
+        def check() -> None:
+            if point.check:
+                state["err_sq"] = session.reference(state["problem"]).squared_error(state["timed"].output)
+
+        error = self.agree((("problem", problem), ("prepare", prepare), ("timing", timing), ("check", check)))
+        if error is not None:
+            state.clear()
+            return self.row(point, status=STATUS_FAILED, error=error)
 
         self.watchdog.phase = "gather"
         mine = {
-            "stats": state["stats"],
+            "stats": state["timed"].stats,
             "counts": state["counts"],
             "num_tokens": state["problem"].num_tokens,
             "err_sq": state.get("err_sq"),
@@ -359,70 +384,6 @@ class Worker:
         state.clear()
         everyone = self.gather(mine)
         return self._summarize(point, everyone, STATUS_OK)
-
-    def _phase_problem(self, state: Dict[str, Any]) -> None:
-        from ..problem import make_problem
-
-        point = state["point"]
-        problem = make_problem(
-            point.shape,
-            self.rank,
-            self.world_size,
-            point.tokens_for_rank(self.rank, self.world_size),
-            point.num_max_tokens_per_rank,
-            device=self.device,
-            seed=point.seed,
-            routing=point.routing,
-        )
-        state["problem"] = problem
-        valid = problem.topk_idx[problem.topk_idx >= 0]
-        state["counts"] = self.torch.bincount(valid, minlength=point.num_experts).tolist()
-
-    def _phase_prepare(self, state: Dict[str, Any]) -> None:
-        from ..backends import get_backend
-
-        index, point = state["index"], state["point"]
-        if _test_hook(TEST_FAIL_ENV, index, self.rank, self.world_size):
-            raise RuntimeError(f"injected failure ({TEST_FAIL_ENV}={index})")
-        if _test_hook(TEST_HANG_ENV, index, self.rank, self.world_size):
-            while True:
-                time.sleep(1.0)
-        runner = get_backend(point.backend).prepare(state["problem"], self.group, dict(point.config))
-        state["runner"] = runner
-        config = getattr(runner, "config", None)
-        state["config"] = json.loads(json.dumps(point.config if config is None else dict(config), default=str))
-        state["inputs_copy_timed"] = bool(getattr(runner, "inputs_copy_timed", True))
-        if point.flush_l2 and self.flusher is None:
-            from .timing import L2Flusher
-
-            self.flusher = L2Flusher(self.device)
-
-    def _phase_timing(self, state: Dict[str, Any]) -> None:
-        from .timing import Stats, time_calls
-
-        point = state["point"]
-        outputs: List[Any] = []
-        times = time_calls(
-            state["runner"],
-            warmup=point.warmup,
-            iters=point.iters,
-            calls_per_sample=point.calls_per_sample,
-            barrier=self.barrier,
-            device=self.device_kind,
-            flush=self.flusher if point.flush_l2 else None,
-            on_result=outputs.append,
-        )
-        state["stats"] = Stats.of(times)
-        state["y"] = outputs[0]
-
-    def _phase_check(self, state: Dict[str, Any]) -> None:
-        point = state["point"]
-        if not point.check:
-            return
-        from ..reference import moe_reference_distributed, squared_error
-
-        y_ref = moe_reference_distributed(state["problem"], self.group)
-        state["err_sq"] = squared_error(state["y"], y_ref)
 
     def _summarize(self, point, everyone: List[Dict[str, Any]], status: str) -> Dict[str, Any]:
         from ..errors import MegaMoEError
@@ -445,7 +406,7 @@ class Worker:
 
         squares = [e["err_sq"] for e in everyone if e["err_sq"] is not None]
         layer, worst = pooled_relative_error(squares) if squares else (None, None)
-        return self._row(
+        return self.row(
             point,
             status=status,
             timing=timing,
@@ -457,30 +418,6 @@ class Worker:
         )
 
 
-def relative_error(y: Any, y_ref: Any) -> float:
-    """``||y - y_ref|| / ||y_ref||`` in FP32 (0 when both are empty or zero)."""
-    if tuple(y.shape) != tuple(y_ref.shape):
-        raise ValueError(f"output shape {tuple(y.shape)} differs from the reference {tuple(y_ref.shape)}")
-    ref = y_ref.float()
-    diff = (y.float() - ref).norm().item()
-    norm = ref.norm().item()
-    if norm == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / norm
-
-
-def _merge_errors(errors: List[Optional[str]]) -> str:
-    by_text: Dict[str, List[int]] = {}
-    for rank, text in enumerate(errors):
-        if text:
-            by_text.setdefault(text, []).append(rank)
-    parts = []
-    for text, ranks in by_text.items():
-        who = "all ranks" if len(ranks) == len(errors) > 1 else "rank " + ",".join(map(str, ranks))
-        parts.append(f"{who}: {text}")
-    return "; ".join(parts)
-
-
 def _entry_point(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megamoe_cli.bench.worker")
     parser.add_argument("--plan", required=True, type=Path)
@@ -490,7 +427,7 @@ def _entry_point(argv: Optional[List[str]] = None) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     run_dir: Path = args.run_dir
-    _write_text_atomic(run_dir / PID_FILE.format(rank=rank), json.dumps({"pid": os.getpid(), "rank": rank}))
+    write_text_atomic(run_dir / PID_FILE.format(rank=rank), json.dumps({"pid": os.getpid(), "rank": rank}))
     worker = None
     try:
         plan = json.loads(args.plan.read_text())

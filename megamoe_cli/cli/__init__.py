@@ -29,6 +29,9 @@ EXIT_POINTS_FAILED = 3
 # What kill, timeout, job schedulers and a closed terminal send, handled as Ctrl-C is.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+# The command line as given (``megamoe`` and its arguments), kept in the context's ``meta`` for a
+# command that records how it was run.
+ARGV_KEY = "megamoe.argv"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -100,6 +103,12 @@ def _interrupted_by(exc: BaseException) -> int:
 class MegaMoEGroup(click.Group):
     """A group that turns expected failures into one line and bugs into a rich traceback."""
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        raw = [info_name or "megamoe", *args]
+        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta[ARGV_KEY] = raw
+        return ctx
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -134,17 +143,23 @@ def main() -> None:
     """megamoe: a fused MoE layer (dispatch, expert GEMMs, combine) for Hopper GPUs.
 
     Measure it against the unfused PyTorch pipeline (bench), find its best kernel
-    configs (tune), see its symmetric-buffer memory (sizes) and render results (report).
+    configs (tune), see its symmetric-buffer memory (sizes), render results (report) and
+    write the published record (record);
+    time the kernel alone and where its cycles go (profile), and two trees or knob values
+    against each other (ab).
     """
 
 
 def _register() -> None:
+    from .ab import ab
     from .bench import bench
+    from .profile import profile
+    from .record import record
     from .report import report
     from .sizes import sizes
     from .tune import tune
 
-    for command in (sizes, bench, tune, report):
+    for command in (sizes, bench, tune, report, record, profile, ab):
         main.add_command(command)
 
 

@@ -1,4 +1,4 @@
-"""Flag parsing shared by commands: comma-separated lists and the shape flags."""
+"""Flag parsing shared by commands: comma-separated lists, the shape flags and how the kernel is timed."""
 
 from __future__ import annotations
 
@@ -78,3 +78,70 @@ def resolve_shape(preset, hidden, intermediate, num_experts, num_topk, default_p
     overrides = {"hidden": hidden, "intermediate": intermediate, "num_experts": num_experts, "num_topk": num_topk,
                  "weights": weights[0] if weights else None, "activation_clamp": activation_clamp}
     return MoEShape(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+class ConfigList(click.ParamType):
+    """``auto,128:4,64:3:120`` -> kernel configs (``bench.profile.parse_config``)."""
+
+    name = "auto|B:S[:SMS[:C]][,...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        from ..bench.profile import parse_config
+        from ..errors import MegaMoEError
+
+        items = [part for part in str(value).split(",") if part.strip()]
+        if not items:
+            self.fail(f"expected kernel configs, got {value!r}", param, ctx)
+        try:
+            return [parse_config(item) for item in items]
+        except MegaMoEError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def at_least_one(name):
+    """A click callback refusing an integer below 1, naming the flag."""
+
+    def check(ctx, param, value):
+        if value is not None and value < 1:
+            raise click.BadParameter(f"expected an integer >= 1, got {value}", param_hint=name)
+        return value
+
+    return check
+
+
+def kernel_timing_options():
+    """How ``profile`` and ``ab`` time the fused kernel: tokens, configs, ranks, samples, inputs."""
+
+    def decorate(command):
+        decorators = [
+            click.option("--tokens", "num_tokens", type=IntList(),
+                         help="Tokens per rank, comma-separated (default 64,16384: a decode and a prefill call)."),
+            click.option("--configs", type=ConfigList(), default="auto", show_default=True,
+                         help="Kernel configs, comma-separated: block_m:num_stages[:num_sms[:cluster_m]] (num_sms 0: "
+                              "every SM), or auto for the one the runtime chooses (tuned store, else the analytic "
+                              "default)."),
+            click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
+                         help="Ranks, one per GPU: 1 is the kernel alone with every expert local; N an "
+                              "expert-parallel layer over N GPUs."),
+            click.option("--warmup", type=click.IntRange(min=0),
+                         help="Untimed calls of each kind before timing (default 3)."),
+            click.option("--iters", type=int, callback=at_least_one("--iters"),
+                         help="Timed samples of each kind; the median counts (default 20)."),
+            click.option("--seed", type=click.IntRange(min=0), help="Seed of the generated problem (default 0)."),
+            click.option("--given", is_flag=True,
+                         help="Every kernel call gets the inputs given to mega_moe, so the kernel copies them into "
+                              "the buffer first (as the layer call and a graph replay do); without it they are "
+                              "already in the buffer."),
+            click.option("--back-to-back", "back_to_back", type=click.IntRange(min=0), default=0, metavar="N",
+                         help="Also time N kernel calls back to back per sample (no host gaps or barriers), per "
+                              "call; 0: off."),
+            click.option("--point-timeout", type=float,
+                         help="Seconds one point (all its configs) may take (default 600)."),
+        ]
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return decorate

@@ -1,4 +1,4 @@
-"""Summary tables of result rows (the view ``bench.results.summary`` returns), rich or markdown."""
+"""Summary tables of result rows (the view ``bench.compare.summary`` returns), rich or markdown."""
 
 from __future__ import annotations
 

@@ -2,12 +2,11 @@
 
 Thin: points come from ``bench.sweep`` (a YAML file or these flags, through one validator), the
 run from ``bench.launcher.run_bench`` (torchrun, deadlines, rows appended as they finish), the
-summary view from ``bench.results``.  This module picks per-device defaults and renders.
+summary view from ``bench.compare``.  This module picks per-device defaults and renders.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -108,6 +107,7 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
     from ..bench.results import check_output_path, file_format
     from ..errors import MegaMoEError
     from ._console import stderr_console
+    from ._run import check_tuned_config, run_with_progress
 
     ctx = click.get_current_context()
     given = {name: ctx.params[name] for name in POINT_FLAGS
@@ -129,7 +129,7 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
         sweep = _sweep_from_flags(device_kind, given)
     check_points(sweep.points, world_size)
     check_backends(sweep.points, device_kind, world_size)
-    _check_tuned_config(tuned_config, sweep.points, console)
+    check_tuned_config(tuned_config, sweep.points, console)
     # Only a run that can start creates the results folder (a refused flag leaves nothing behind),
     # and the results file is checked before the first point runs, not after it.
     try:
@@ -145,7 +145,7 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
         note = _long_cpu_run_note(sweep.points, world_size)
         if note:
             console.print(note, style="bold yellow", highlight=False)
-    result = _run(console, run_bench, sweep.points, nproc=world_size, out_path=out, device=device_kind,
+    result = run_with_progress(console, run_bench, sweep.points, nproc=world_size, out_path=out, device=device_kind,
                   timeout_s=run_timeout)
 
     if as_json:
@@ -153,7 +153,8 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
 
         sys.stdout.write("[\n" + ",\n".join(row_to_json(row) for row in result.rows) + "\n]\n")
     if result.rows:
-        from ..bench.results import STATUS_OK, summary
+        from ..bench.compare import summary
+        from ..bench.results import STATUS_OK
         from ._tables import rich_table
 
         ok = sum(1 for row in result.rows if row.get("status") == STATUS_OK)
@@ -169,32 +170,6 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
         kept = f"; run files kept in {result.run_dir}" if result.run_dir is not None else ""
         raise PointsFailed(f"{result.num_failed_rows} of {len(result.rows)} points failed; the error column of "
                            f"their rows says why{kept}")
-
-
-def _check_tuned_config(tuned_config, points, console) -> None:
-    """The tuned config the fused backend will read, checked before any rank starts: the file
-    --tuned-config names, else the one $MEGAMOE_TUNED_CONFIG names, else (when a point runs the
-    fused kernel) the default store.  The ranks inherit the choice."""
-    from pathlib import Path
-
-    from .. import tuned
-    from ..backends import HOPPER_ONLY
-
-    if tuned_config is not None:
-        path = Path(tuned_config).expanduser()
-        if not path.is_file():
-            raise click.BadParameter(f"no such file: {path}", param_hint="--tuned-config")
-        tuned.load(path)
-        os.environ[tuned.ENV_VAR] = str(path.resolve())
-        return
-    named = tuned.check_named_store()
-    fused = any(point.backend in HOPPER_ONLY for point in points)
-    if named is not None:
-        if fused and not named.exists():
-            console.print(f"${tuned.ENV_VAR} names {named}, which does not exist: the fused backend uses its "
-                          "analytic default configs", style="yellow", highlight=False)
-    elif fused:
-        tuned.load(tuned.default_path())
 
 
 def _long_cpu_run_note(points, world_size: int):
@@ -255,34 +230,3 @@ def _default_note(device_kind: str, world_size: int) -> str:
         return (f"no GPU found: running the small CPU default ({what}) on {world_size} CPU ranks; "
                 "CPU times say nothing about GPU performance")
     return f"no flags given: running the default ({what}) on {world_size} GPU(s)"
-
-
-def _run(console, run_bench, points, **kwargs):
-    """run_bench with a progress bar on stderr and one line per finished point."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ..bench.results import STATUS_OK
-
-    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("starting ranks", total=len(points))
-
-        def on_event(event):
-            if event.kind == "info":
-                progress.console.print(event.message, highlight=False)
-            elif event.kind == "stopped":
-                progress.console.print(event.message, style="yellow", highlight=False, markup=False)
-            elif event.kind == "start":
-                progress.update(task, description=f"point {event.index + 1}: {event.point.describe()}")
-            elif event.kind == "row":
-                row = event.row
-                what = event.point.describe() if event.point is not None else row.get("backend", "")
-                if row.get("status") == STATUS_OK:
-                    progress.console.print(f"  ok     {what}: {row['time_us_median']:,.1f} us", highlight=False)
-                else:
-                    first = (row.get("error") or "no error recorded").strip().splitlines()[0]
-                    progress.console.print(f"  failed {what}: {first}", style="red", highlight=False,
-                                           markup=False)
-                progress.advance(task)
-
-        return run_bench(points, on_event=on_event, **kwargs)

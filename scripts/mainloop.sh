@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The main-loop microbenchmark (csrc/microbench/mainloop.cu: the fused kernel's FP8 K loop of one
+# tile per CTA, alone) built for sm_90a and run on one GPU; its own header lists the modes and
+# options.  --sweep runs the given modes under each operand source in turn, from one build.
+#
+#   scripts/mainloop.sh [options] [modes]             e.g. scripts/mainloop.sh --tma2d --random halves quarters
+#   scripts/mainloop.sh --sweep [modes]               default modes: halves nopromo128 quarters
+set -uo pipefail
+cd "$(dirname "$0")/.."
+NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+[ -n "$NVCC" ] || { echo "scripts/mainloop.sh: nvcc not found (set PATH or install the CUDA toolkit)" >&2; exit 2; }
+BIN="${TMPDIR:-/tmp}/megamoe-mainloop"
+"$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o "$BIN" csrc/microbench/mainloop.cu \
+  || exit 2
+if [ "${1:-}" != "--sweep" ]; then
+  exec "$BIN" "$@"
+fi
+shift
+[ $# -eq 0 ] && set -- halves nopromo128 quarters
+status=0
+for source in "" "--random" "--tma2d" "--tma2d --random" "--tma2d --random --copy-mib 64" \
+              "--tma2d --random --tile-kb 56 2000"; do
+  echo "=== operands: ${source:-constant, 1-D copies}"
+  # shellcheck disable=SC2086
+  "$BIN" $source "$@" || status=1
+done
+exit "$status"
