@@ -1,0 +1,73 @@
+// Register budget of a ping-pong consumer warpgroup (compile only: read `ptxas -v`).
+//
+// In a ping-pong schedule each consumer warpgroup owns its own 64 x 256 tile: a 128-register FP32
+// accumulator, plus the partial each 128-K block's WGMMAs write before the promotion multiplies in
+// the block's scales.  This kernel is that loop alone (4 m64nNk32 FP8 WGMMAs per K block, wait,
+// promote), with the producer warpgroup's registers lowered (setmaxnreg.dec DEC) and the consumers'
+// raised (setmaxnreg.inc INC); ptxas allocates the consumer code within INC.
+//   FULL=0: the partial as two 64 x 128 halves (64 registers), each promoted before the next half
+//   FULL=1: one 64 x 256 partial (128 registers)
+// Build: nvcc -cubin -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
+//            -DFULL=0 -DDEC=56 -DINC=224 -o pingpong_regs.cubin pingpong_regs.cu
+// A spill or ptxas's C7511 note (WGMMAs serialized for want of registers) means the shape does not
+// fit; docs/PERF_NOTES.md has what each setting gave.
+#include <cstdint>
+__device__ __forceinline__ void mma_n128(float* d, uint64_t a, uint64_t b) {
+    asm volatile("{\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void mma_n256(float* d, uint64_t a, uint64_t b) {
+    asm volatile("{\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) : "l"(a), "l"(b));
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+extern "C" __global__ void __launch_bounds__(384, 1) k(float* out, const float* sc, int nk, uint64_t da, uint64_t db) {
+    const int wgi = threadIdx.x / 128;
+    if (wgi == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(DEC));
+        if (threadIdx.x == 0) out[0] = sc[0];
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(INC));
+    float acc[128];
+    #pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < nk; ++kb) {
+#if FULL
+        float part[128];
+        #pragma unroll
+        for (int i = 0; i < 128; ++i) keep(part[i]);
+        fence();
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) mma_n256(part, da + 2 * k + kb * 64, db + 2 * k);
+        commit(); wait0();
+        #pragma unroll
+        for (int i = 0; i < 128; ++i) { keep(part[i]); acc[i] = fmaf(part[i], sc[kb * 4 + (i / 4) % 4], acc[i]); }
+#else
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float part[64];
+            #pragma unroll
+            for (int i = 0; i < 64; ++i) keep(part[i]);
+            fence();
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) mma_n128(part, da + 2 * k + kb * 64, db + 2 * k + h * 1024);
+            commit(); wait0();
+            #pragma unroll
+            for (int i = 0; i < 64; ++i) { keep(part[i]); acc[64 * h + i] = fmaf(part[i], sc[kb * 4 + h], acc[64 * h + i]); }
+        }
+#endif
+    }
+    #pragma unroll
+    for (int i = 0; i < 128; ++i) out[threadIdx.x + i * 384] = acc[i];
+}
