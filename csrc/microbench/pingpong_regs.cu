@@ -12,6 +12,17 @@
 // A spill or ptxas's C7511 note (WGMMAs serialized for want of registers) means the shape does not
 // fit; docs/PERF_NOTES.md has what each setting gave.
 #include <cstdint>
+
+#ifndef FULL
+#define FULL 0
+#endif
+#ifndef DEC
+#define DEC 56
+#endif
+#ifndef INC
+#define INC 224
+#endif
+
 __device__ __forceinline__ void mma_n128(float* d, uint64_t a, uint64_t b) {
     asm volatile("{\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
