@@ -200,6 +200,27 @@ def test_the_mainloop_microbenchmark_compiles_without_spills_or_serialized_wgmma
     assert not report.serialized_wgmma, report.serialized_wgmma
 
 
+
+@pytest.mark.parametrize("full, dec, inc, fits", [(0, 56, 224, True), (0, 24, 240, True), (1, 56, 224, False),
+                                                  (1, 24, 240, False)])
+def test_the_ping_pong_register_budget_is_what_the_notes_say(tmp_path, full, dec, inc, fits):
+    """csrc/microbench/pingpong_regs.cu (PERF_NOTES entry 80): a 64x256 accumulator with half-width
+    partials fits the consumers' setmaxnreg budget without spills or serialized WGMMAs; a full-width
+    partial does not, even at 240."""
+    import subprocess
+
+    from megamoe_cli.jit.build import PtxasReport, find_nvcc
+
+    source = csrc_dir() / "microbench" / "pingpong_regs.cu"
+    result = subprocess.run(
+        [find_nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+         f"-DFULL={full}", f"-DDEC={dec}", f"-DINC={inc}", "-o", str(tmp_path / "pp.cubin"), str(source)],
+        capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = PtxasReport.parse(result.stderr + result.stdout)
+    clean = not report.has_spills and not report.serialized_wgmma
+    assert clean == fits, report.summary()
+
 # A signalling write (a relaxed red, or a relaxed system-scope store; the combine barrier's
 # counter reset, st.relaxed.gpu, publishes nothing) must follow a fence of at least its scope on
 # the same straight-line path (no label, branch, call or barrier between): the fence and the write
