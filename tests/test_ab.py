@@ -12,26 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from megamoe_cli.bench import ab as lib
-from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError
+from cli_checks import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(*args):
-    return CliRunner().invoke(main, list(args))
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and "Traceback" not in result.output and result.stdout == ""
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def profile_json(kernel_us, tokens=(64, 16384), labels=("auto",), failed=(), back_to_back=0):

@@ -12,23 +12,13 @@ from click.testing import CliRunner
 from megamoe_cli import __version__
 from megamoe_cli.cli import main
 from megamoe_cli.layout import PRESETS, BufferConfig, build_layout
+from cli_checks import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*args, **kwargs):
     return CliRunner().invoke(main, list(args), **kwargs)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in result.output
-    assert result.stdout == ""
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_help_lists_every_command():

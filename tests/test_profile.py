@@ -11,31 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from megamoe_cli.bench import profile as lib
 from megamoe_cli.bench.metrics import traffic
 from megamoe_cli.bench.sweep import sweep_from_flags
-from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.gpus import gpu_spec
 from megamoe_cli.layout import PRESETS
+from cli_checks import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(*args):
-    return CliRunner().invoke(main, list(args))
-
-
-def assert_one_line_error(result, *fragments, code=2):
-    assert result.exit_code == code, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and "Traceback" not in result.output
-    assert result.stdout == ""
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def small_points(tokens=(16, 32), **flags):

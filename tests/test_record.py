@@ -11,30 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from megamoe_cli.bench import launcher, results
 from megamoe_cli.bench import record as lib
 from megamoe_cli.bench.worker import TEST_HANG_ENV
-from megamoe_cli.cli import main
+from cli_checks import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "cpu_smoke.yaml"
 METADATA_KEYS = {"record", "sweep", "command", "run_id", "started", "finished", "world_size", "device", "status",
                  "message", "points_measured", "points_failed", "env", "files"}
-
-
-def run_cli(*args):
-    return CliRunner().invoke(main, list(args))
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and "Traceback" not in result.output and result.stdout == ""
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_a_record_of_the_cpu_smoke_sweep_is_a_folder_with_its_rows_metadata_table_and_plot(tmp_path):

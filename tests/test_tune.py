@@ -15,7 +15,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
 
 from megamoe_cli import heuristics, tuned
 from megamoe_cli.bench import tune as lib
@@ -32,19 +31,15 @@ from megamoe_cli.bench.tune import (
     CandidateGrid,
     CandidateResult,
 )
-from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.jit import BuildError
 from megamoe_cli.kernel_source import Variant, kernel_build_source
 from megamoe_cli.layout import PRESETS
+from cli_checks import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DSV3 = PRESETS["deepseek-v3"]
 SMALL = PRESETS["small"]
-
-
-def run_cli(*args, **kwargs):
-    return CliRunner().invoke(main, list(args), **kwargs)
 
 
 @pytest.fixture
@@ -677,15 +672,6 @@ def test_tune_under_torchrun_on_two_cpu_ranks(store, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- command line
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and result.stdout == ""
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_dry_run_lists_candidates_and_exclusions_without_a_gpu(store):

@@ -22,6 +22,22 @@ def stderr_console():
     return console
 
 
+def report_outcome(console, result, as_json: bool) -> None:
+    """The end every workflow command shares: the result's JSON on stdout (``--json``), then its
+    message: one error line (MegaMoEError) when the run as a whole failed, else on the console."""
+    if as_json:
+        import json
+        import sys
+
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    if not result.ok:
+        from ..errors import MegaMoEError
+
+        raise MegaMoEError(result.message)
+    console.print(result.message, highlight=False, markup=False)
+
+
 def percent(part: float, whole: float) -> str:
     """A share as ``12.34%``; a non-zero share too small to show reads ``<0.01%``."""
     share = 100.0 * part / whole if whole else 0.0

@@ -7,9 +7,6 @@ and are checked here as ``profile`` checks them, before any child starts.  This 
 
 from __future__ import annotations
 
-import json
-import sys
-
 import click
 
 from ._options import kernel_timing_options, shape_options
@@ -55,7 +52,7 @@ def ab(base, knob, rounds, preset, hidden, intermediate, num_experts, num_topk, 
       megamoe ab --base ../base --ranks 2 --tokens 1,128 --back-to-back 20 --rounds 3 --json > ab.json
     """
     from ..bench import ab as library
-    from ._console import stderr_console
+    from ._console import report_outcome, stderr_console
     from .profile import plan, require_hopper
 
     if (base is None) == (knob is None):
@@ -74,14 +71,7 @@ def ab(base, knob, rounds, preset, hidden, intermediate, num_experts, num_topk, 
                             progress=lambda message: console.print(message, highlight=False, markup=False))
     if result.comparisons:
         console.print(table(result))
-    if as_json:
-        json.dump(result.to_dict(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    if not result.ok:
-        from ..errors import MegaMoEError
-
-        raise MegaMoEError(result.message)
-    console.print(result.message, highlight=False, markup=False)
+    report_outcome(console, result, as_json)
     if result.incomplete:
         from . import PointsFailed
 

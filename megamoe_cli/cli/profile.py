@@ -7,9 +7,6 @@ checks what the machine can run, and renders.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import click
 
 from ._options import at_least_one, kernel_timing_options, shape_options
@@ -56,7 +53,7 @@ def profile(preset, hidden, intermediate, num_experts, num_topk, weights, activa
       ncu -k megamoe_kernel --launch-skip 1 --launch-count 1 megamoe profile --tokens 16384 --configs 128:4 --iters 1 --warmup 0
     """
     from ..bench import profile as library
-    from ._console import stderr_console
+    from ._console import report_outcome, stderr_console
 
     if cycle_calls is not None and not cycles:
         raise click.UsageError("--cycle-calls needs --cycles (it sets how many calls the counters average)")
@@ -73,14 +70,7 @@ def profile(preset, hidden, intermediate, num_experts, num_topk, weights, activa
     result = library.run_profile(points, options, world_size=ranks, timeout_s=run_timeout,
                                  progress=lambda message: console.print(message, highlight=False, markup=False))
     render(console, result)
-    if as_json:
-        json.dump(result.to_dict(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    if not result.ok:
-        from ..errors import MegaMoEError
-
-        raise MegaMoEError(result.message)
-    console.print(result.message, highlight=False, markup=False)
+    report_outcome(console, result, as_json)
     failed = result.failed_configs
     if failed:
         from . import PointsFailed
