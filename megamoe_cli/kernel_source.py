@@ -23,7 +23,7 @@ SUPPORTED_BLOCK_M = contract.SUPPORTED_BLOCK_M
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4, 5)
 SUPPORTED_CLUSTER_M = (1, 2)
-# MXFP4 weights: each consumer warpgroup expands the 128 B rows it reads (csrc gemm.cuh fp4_expand),
+# MXFP4 weights: each consumer warpgroup expands the 128 B rows it reads (csrc consumer.cuh fp4_expand),
 # so both warpgroups must own column halves, which block_m 64 without clusters gives
 FP4_CONFIGS = ((64, 1),)
 FP4_STAGE_BYTES = contract.FP4_STAGE_BYTES
@@ -221,7 +221,7 @@ def pack_params(
 
 
 ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
-# Fault-injection builds the GPU fault tests run (csrc/megamoe/gemm.cuh, publish_l1_tiles):
+# Fault-injection builds the GPU fault tests run (csrc/megamoe/publisher.cuh, publish_l1_tiles):
 # SLOW_PUBLISHER starts the L1 publisher warp 2 ms late (correct results), STUCK_PUBLISHER never
 # lets it publish (a timeout diagnostic).  The release kernel carries no other build switch; the
 # diagnostic builds of past measurements are in git history (docs/PERF_NOTES.md names them).

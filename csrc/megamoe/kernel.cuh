@@ -1,16 +1,25 @@
 // The persistent Mega MoE kernel: role split and phase order.
 //   all threads   inputs given by address: copied into the symmetric buffer before the split
 //                 (the profile's consumer start slot includes it)
-//   warp 0        TMA producer for both GEMMs
-//   warps 1-3     dispatch: count (into the owners' counters; small calls also push their rows
-//                 into the owners' direct pools) -> exchange -> schedule -> pull (warps 1-2,
-//                 not on the direct pool); warp 3 then publishes the L1 tiles (publish_l1_tiles)
-//   warpgroups 1-2  WGMMA consumers: L1 + SwiGLU, L2 + combine push; then barrier,
-//                 cleanup and the top-k reduce into y
-// One CTA per SM, all co-resident (the exchange and the combine barrier wait for every CTA).
+//   warp 0        producer (producer.cuh): takes tiles in the scheduler's order (scheduler.cuh)
+//                 and streams them through the stage ring by TMA, for both GEMMs
+//   warps 1-3     dispatcher (dispatch_role; dispatch.cuh): count (into the owners' counters;
+//                 small calls also push their rows into the owners' direct pools) -> exchange
+//                 (barrier.cuh) -> schedule -> pull (warps 1-2, not on the direct pool); warp 3
+//                 then becomes the publisher (publisher.cuh): it announces each finished L1 tile
+//   warpgroups 1-2  consumers (consumer.cuh): WGMMA over each stage, L1 + SwiGLU, L2 + combine
+//                 push; then (consumer_role) barrier, cleanup and the top-k reduce into y
+//                 (combine.cuh)
+// The roles meet in shared memory (storage.cuh).  One CTA per SM, all co-resident (the
+// exchange and the combine barrier wait for every CTA).
 #pragma once
 #include "combine.cuh"
-#include "gemm.cuh"
+#include "consumer.cuh"
+#include "dispatch.cuh"
+#include "producer.cuh"
+#include "publisher.cuh"
+#include "scheduler.cuh"
+#include "storage.cuh"
 
 namespace megamoe {
 
