@@ -3,7 +3,9 @@
 One header per role or concern (``kernel.cuh``'s top comment names the ones it includes), each
 including what it uses: the include graph has no cycle, and every header compiles on its own
 after the generated prologue (the constants, ``struct Params`` and the contract), in a release
-and a profiling build, with FP8 and MXFP4 weights.
+and a profiling build, with FP8 and MXFP4 weights.  The fault-injection switches (``MEGAMOE_EXP_*``,
+the GPU fault tests' builds) appear only inside the publisher's test-only hook, so the release
+path carries none.
 """
 
 import re
@@ -101,3 +103,45 @@ def test_every_header_compiles_on_its_own(tmp_path, variant_name):
             errors = [line for line in result.stderr.splitlines() if "error" in line]
             failures.append(f"{name}: " + "\n".join(errors[:10] or [result.stderr[-1500:]]))
     assert not failures, "headers that do not compile on their own:\n" + "\n".join(failures)
+
+
+# Fault injection: the MEGAMOE_EXP_ switches live in the publisher's test-only hook and nowhere else
+
+_EXP_DIRECTIVE = re.compile(r"^\s*#\s*(?:if|ifdef|ifndef|elif|elifdef|elifndef)\b[^\n]*\bMEGAMOE_EXP_[^\n]*", re.M)
+
+
+def function_span(text: str, name: str):
+    """(start, end) of a top-level function's definition: its signature's line to its closing brace."""
+    match = re.search(rf"^[^\n]*\b{name}\([^)]*\)\s*\{{", text, re.M)
+    assert match, f"{name} not found"
+    end = text.index("\n}\n", match.end())
+    return match.start(), end + 2
+
+
+def exp_switches_outside(text: str, allowed=None):
+    """Lines of text's MEGAMOE_EXP_ preprocessor switches that lie outside the span ``allowed``."""
+    return [m.group(0).strip() for m in _EXP_DIRECTIVE.finditer(text)
+            if allowed is None or not allowed[0] <= m.start() < allowed[1]]
+
+
+def test_the_switch_scan_finds_what_it_looks_for():
+    text = ("void publisher_fault_hook(uint32_t lane) {\n#if defined(MEGAMOE_EXP_SLOW_PUBLISHER)\n#endif\n}\n"
+            "void run_tile() {\n  #ifdef MEGAMOE_EXP_FAST\n#endif\n#if 1 && defined(MEGAMOE_EXP_X)\n#endif\n}\n")
+    span = function_span(text, "publisher_fault_hook")
+    assert exp_switches_outside(text, span) == ["#ifdef MEGAMOE_EXP_FAST", "#if 1 && defined(MEGAMOE_EXP_X)"]
+    assert exp_switches_outside("#ifdef MEGAMOE_PROFILE\n#endif\n// MEGAMOE_EXP_SLOW_PUBLISHER in a comment\n") == []
+
+
+def test_fault_injection_switches_only_in_the_publisher_fault_hook():
+    kernel_sources = {**HEADERS, **{p.name: p.read_text() for p in sorted((csrc_dir() / "microbench").glob("*"))}}
+    hook = function_span(HEADERS["publisher.cuh"], "publisher_fault_hook")
+    misplaced = []
+    for name, text in kernel_sources.items():
+        misplaced += [f"{name}: {line}" for line in exp_switches_outside(text, hook if name == "publisher.cuh" else None)]
+    assert not misplaced, ("MEGAMOE_EXP_ switches outside publisher_fault_hook (publisher.cuh), the kernel's one "
+                           "test-only hook: " + "; ".join(misplaced))
+    inside = HEADERS["publisher.cuh"][hook[0]:hook[1]]
+    assert _EXP_DIRECTIVE.search(inside), "the fault hook no longer holds the fault-injection switches"
+    # Called once, by the publisher warp
+    calls = [name for name, text in HEADERS.items() for _ in re.finditer(r"\bpublisher_fault_hook\(lane\);", text)]
+    assert calls == ["publisher.cuh"]

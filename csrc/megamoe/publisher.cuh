@@ -7,6 +7,33 @@
 
 namespace megamoe {
 
+// Test-only fault injection, the kernel's one build switch besides profiling: empty unless a
+// fault-injection build defines MEGAMOE_EXP_SLOW_PUBLISHER or MEGAMOE_EXP_STUCK_PUBLISHER
+// (kernel_source.experiment_defines, from $MEGAMOE_EXPERIMENT, which scripts/fault_probe.py sets for
+// tests/gpu/test_fused_faults.py).  They check the consumers' side of the handoff below, which a
+// healthy publisher never exercises:
+//   SLOW_PUBLISHER   this warp starts 2 ms late, so the consumers of a CTA with 3 or more L1
+//                    tiles must wait for it (publisher_caught_up) and the result stays right;
+//   STUCK_PUBLISHER  it never publishes, so the consumers' wait times out with the
+//                    L1-tile publication diagnostic, before the waits it holds up.
+// tests/test_kernel_headers.py fails on a MEGAMOE_EXP_ switch anywhere else.
+__device__ __forceinline__ void publisher_fault_hook(uint32_t lane) {
+#if defined(MEGAMOE_EXP_SLOW_PUBLISHER) || defined(MEGAMOE_EXP_STUCK_PUBLISHER)
+    if (lane == 0) {
+#ifdef MEGAMOE_EXP_STUCK_PUBLISHER
+        while (true)  // until a timeout traps the grid
+            __nanosleep(100000);
+#endif
+        const uint64_t until = ptx::globaltimer_ns() + 2000000;  // 2 ms
+        while (ptx::globaltimer_ns() < until)
+            __nanosleep(10000);
+    }
+    __syncwarp();
+#else
+    (void)lane;
+#endif
+}
+
 // The publisher warp (the last dispatch warp): for every L1 tile of this CTA, once both
 // consumer warpgroups arrived (after their stores and proxy fences), one fence and the relaxed
 // OR of the tile's ready bit, off the consumers' path.  The consumers end the sequence with
@@ -17,24 +44,10 @@ namespace megamoe {
 // that.  The consumers run a whole tile's main loop between two arrivals of one parity, so
 // they normally find tile i taken long before.  A consumer that fails (fail) traps the
 // grid, so this warp never waits for a missing arrival.
-// (MEGAMOE_EXP_SLOW_PUBLISHER, fault injection: this warp starts 2 ms late, so the
-// consumers of a CTA with 3 or more L1 tiles wait for it; MEGAMOE_EXP_STUCK_PUBLISHER: it
-// never publishes, and the consumers' wait times out with a diagnostic.)
 __device__ __forceinline__ void publish_l1_tiles(const Params& p, SharedStorage& ss, uint32_t lane) {
     uint32_t* ready = at<uint32_t>(p, p.off_l2_arrival);
+    publisher_fault_hook(lane);
     for (uint32_t i = 0;; ++i) {
-#if defined(MEGAMOE_EXP_SLOW_PUBLISHER) || defined(MEGAMOE_EXP_STUCK_PUBLISHER)
-        if (i == 0 && lane == 0) {
-#ifdef MEGAMOE_EXP_STUCK_PUBLISHER
-            while (true)  // until a timeout traps the grid
-                __nanosleep(100000);
-#endif
-            const uint64_t until = ptx::globaltimer_ns() + 2000000;  // 2 ms
-            while (ptx::globaltimer_ns() < until)
-                __nanosleep(10000);
-        }
-        __syncwarp();
-#endif
         if (i & 1)
             ptx::named_bar_sync(kBarPublish + 1, kNumConsumerThreads + 32);
         else
