@@ -135,6 +135,24 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
     return in;
 }
 
+// The consumers' cycle counters, a compile-time instrumentation policy: in profiling builds
+// (MEGAMOE_PROFILE) each warpgroup's first thread samples into ss.prof[wg]; in every other build
+// the struct is empty and the MEGAMOE_PROF lines that read it compile to nothing, so the hot path
+// has one signature for both and release builds spend no register or instruction on it.
+// ss.prof[wg]: slots 0-6 count ProfileSlot 0-6 and are summed into megamoe_profile at the end of
+// consumer_loop; 10-12 count MAINLOOP_L1, MAINLOOP_HEAD, MAINLOOP_HEAD_L2; 7-9 hold timestamps (the
+// L1 epilogue's release, the current tile's or phase's start, consumer_loop's start).
+struct ConsumerProfile {
+#ifdef MEGAMOE_PROFILE
+    bool sampler;        // this thread samples (its warpgroup's first)
+    uint64_t* counters;  // ss.prof[wg]
+    __device__ __forceinline__ ConsumerProfile(SharedStorage& ss, uint32_t wg, uint32_t tid)
+        : sampler(tid % 128 == 0), counters(ss.prof[wg]) {}
+#else
+    __device__ __forceinline__ ConsumerProfile(SharedStorage&, uint32_t, uint32_t) {}
+#endif
+};
+
 // L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
 // per row per 128 channels.  Tile half c holds channels [64 c, 64 c + 64) of the tile's
 // 128; inside a half, accumulator column 16 g + i is gate channel 8 g + i, 16 g + 8 + i up.
@@ -144,7 +162,7 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
 template <typename Slice>
 __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
                                             float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
-                                            const EpilogueInputs& in, uint32_t& l1_tiles) {
+                                            const EpilogueInputs& in, const ConsumerProfile& prof, uint32_t& l1_tiles) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
@@ -225,7 +243,7 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
     // pattern, cumulative over every writer's stores through the barrier: publish_l1_tiles).
     // The consumers go on to their next tile without waiting for each other or for the fence
     // (notes entry 64: it was a barrier of both warpgroups and thread 0's fence and OR).
-    MEGAMOE_PROF(if (tid % 128 == 0) ss.prof[slice.wg][7] = clock64();)
+    MEGAMOE_PROF(if (prof.sampler) prof.counters[7] = clock64();)
     ptx::fence_proxy_async_global();
     const uint32_t seq = l1_tiles;
     if (!publisher_caught_up(p, ss, seq))
@@ -288,13 +306,13 @@ constexpr uint32_t kConsumerPublisherLate = 0xfffffffeu;  // publisher_caught_up
 template <bool kNarrow>
 __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss, const Tile& tile, uint32_t wg,
                                              uint32_t tid, uint32_t& it, float (&acc)[64 * kNumHalvesPerWg],
-                                             float (&part)[64], bool prof, uint64_t* prof_c, uint32_t& l1_tiles) {
+                                             float (&part)[64], const ConsumerProfile& prof, uint32_t& l1_tiles) {
     using Slice = WgSlice<kNarrow>;
     const Slice slice{wg};
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
     const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
-    (void)prof; (void)prof_c;
+    MEGAMOE_PROF(uint64_t* prof_c = prof.counters;)
     const EpilogueInputs in = load_epilogue_inputs(p, ss, tile, slice, tid);
     #pragma unroll
     for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
@@ -305,7 +323,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
         const uint32_t stage = it_uniform % kNumStages;
         const uint32_t phase = (it / kNumStages) & 1;
-        MEGAMOE_PROF(if (prof && kb == 2) {
+        MEGAMOE_PROF(if (prof.sampler && kb == 2) {
             const uint64_t head = clock64() - prof_c[8];
             prof_c[11] += head;
             if (tile.is_l2)
@@ -314,7 +332,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
         if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
             return phase;
-        MEGAMOE_PROF(if (prof) prof_c[kProfStageWait] += clock64() - prof_t1;)
+        MEGAMOE_PROF(if (prof.sampler) prof_c[kProfStageWait] += clock64() - prof_t1;)
         // MXFP4: this warpgroup expands the B half it reads into e4m3 tile it % 2, then the
         // barrier orders every warp's expansion (and its proxy fence) before the WGMMAs.
         // NOTES: expanding K block it overwrites tile (it - 2) % 2 only after the barrier of it - 1,
@@ -369,19 +387,19 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
             }
         }
     }
-    MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof) {
+    MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof.sampler) {
         prof_c[kProfMainloop] += prof_t2 - prof_c[8];
         if (!tile.is_l2)
             prof_c[10] += prof_t2 - prof_c[8];
     })
     if (tile.is_l2)
         epilogue_l2(p, ss, tile, acc, slice, tid, in);
-    else if (!epilogue_l1(p, ss, tile, acc, slice, tid, in, l1_tiles))
+    else if (!epilogue_l1(p, ss, tile, acc, slice, tid, in, prof, l1_tiles))
         return kConsumerPublisherLate;
-    MEGAMOE_PROF(if (prof && tile.is_l2) {
+    MEGAMOE_PROF(if (prof.sampler && tile.is_l2) {
         prof_c[kProfEpilogueL2] += clock64() - prof_t2;
         prof_c[kProfTilesL2] += 1;
-    } else if (prof) {
+    } else if (prof.sampler) {
         prof_c[kProfEpilogueL1] += clock64() - prof_t2;
         prof_c[kProfTilesL1] += 1;
         MEGAMOE_PROF_ADD(kProfEpilogueL1Math, prof_c[7] - prof_t2);
@@ -391,48 +409,45 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
 }
 
 __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
-                                                  uint32_t& l1_tiles) {
-    const uint32_t lane = tid % 32;
+                                                  const ConsumerProfile& prof, uint32_t& l1_tiles) {
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
-    bool prof = false;
-    uint64_t* prof_c = nullptr;
-    MEGAMOE_PROF(prof = tid % 128 == 0; prof_c = ss.prof[wg];
-                 if (prof) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = prof_c[12] = 0;
-                             prof_c[9] = clock64(); })
+    MEGAMOE_PROF(uint64_t* prof_c = prof.counters;
+                 if (prof.sampler) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = prof_c[12] = 0;
+                                     prof_c[9] = clock64(); })
     while (true) {
         // The first stage of a tile says which tile it is (or that none is left).
-        MEGAMOE_PROF(if (prof) prof_c[8] = clock64();)
+        MEGAMOE_PROF(if (prof.sampler) prof_c[8] = clock64();)
         if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
             return (it / kNumStages) & 1;
-        MEGAMOE_PROF(if (prof) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
+        MEGAMOE_PROF(if (prof.sampler) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
         // Shuffled so the compiler sees a warp-uniform tile.
         uint4 packed = ptx::ld_shared_v4_u32(&ss.stage_tile[it % kNumStages]);
         packed.x = __shfl_sync(0xffffffffu, packed.x, 0);
         if (packed.x == kNoMoreTiles) {
-            MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTilesDone, ss.schedule.epoch, 0, 0);)
+            MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTilesDone, ss.schedule.epoch, 0, 0);)
             break;
         }
         packed.y = __shfl_sync(0xffffffffu, packed.y, 0);
         packed.z = __shfl_sync(0xffffffffu, packed.z, 0);
         packed.w = __shfl_sync(0xffffffffu, packed.w, 0);
         const Tile tile = unpack_tile(packed);
-        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile), tile.block);)
+        MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile), tile.block);)
         uint32_t status;
         if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
             // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
             const bool narrow = tile.rows <= 64;
-            status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c, l1_tiles)
-                            : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c, l1_tiles);
+            status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles)
+                            : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles);
         } else {
-            status = run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, prof_c, l1_tiles);
+            status = run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles);
         }
         if (status != kConsumerOk)
             return status;
-        MEGAMOE_PROF(if (prof && wg == 0) MEGAMOE_TRACE(kTraceTileEnd, ss.schedule.epoch, trace_tile(tile), tile.block);)
+        MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTileEnd, ss.schedule.epoch, trace_tile(tile), tile.block);)
     }
-    MEGAMOE_PROF(if (prof) {
+    MEGAMOE_PROF(if (prof.sampler) {
         for (uint32_t i = 0; i < 7; ++i)
             MEGAMOE_PROF_ADD(i, prof_c[i]);
         MEGAMOE_PROF_ADD(kProfMainloopL1, prof_c[10]);
