@@ -227,7 +227,7 @@ TRACE_FIELDS: Tuple[BitField, ...] = (
     BitField("info", 3, 0, 32),  # a tile (TRACE_TILE_FIELDS) or 0
     BitField("epoch", 3, 32, 32),  # the call
 )
-# The info word of a tile event (trace_tile in gemm.cuh)
+# The info word of a tile event (trace_tile in scheduler.cuh)
 TRACE_TILE_FIELDS: Tuple[BitField, ...] = (
     BitField("n", 0, 0, 16),
     BitField("expert", 0, 16, 15),
@@ -275,7 +275,7 @@ FP4_TABLE_BYTES = 1024
 
 def smem_budget(num_experts: int, num_ranks: int, block_m: int, num_stages: int,
                 weights: str = "fp8") -> Dict[str, int]:
-    """Bytes of dynamic shared memory by ``SharedStorage`` member (csrc/megamoe/gemm.cuh).
+    """Bytes of dynamic shared memory by ``SharedStorage`` member (csrc/megamoe/storage.cuh).
 
     The sum is what a variant launches with (``smem_bytes``).  Every build checks it
     (kernel.cuh): at least ``sizeof(SharedStorage) + SMEM_ALIGN_BYTES`` and at most

@@ -23,7 +23,7 @@ SUPPORTED_BLOCK_M = contract.SUPPORTED_BLOCK_M
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4, 5)
 SUPPORTED_CLUSTER_M = (1, 2)
-# MXFP4 weights: each consumer warpgroup expands the 128 B rows it reads (csrc gemm.cuh fp4_expand),
+# MXFP4 weights: each consumer warpgroup expands the 128 B rows it reads (csrc consumer.cuh fp4_expand),
 # so both warpgroups must own column halves, which block_m 64 without clusters gives
 FP4_CONFIGS = ((64, 1),)
 FP4_STAGE_BYTES = contract.FP4_STAGE_BYTES
@@ -221,10 +221,14 @@ def pack_params(
 
 
 ENV_EXPERIMENT = "MEGAMOE_EXPERIMENT"
-# Fault-injection builds the GPU fault tests run (csrc/megamoe/gemm.cuh, publish_l1_tiles):
+# Test-only: the fault-injection builds the GPU fault tests run (the kernel's side is
+# publisher_fault_hook in csrc/megamoe/publisher.cuh, its only build switch besides profiling):
 # SLOW_PUBLISHER starts the L1 publisher warp 2 ms late (correct results), STUCK_PUBLISHER never
-# lets it publish (a timeout diagnostic).  The release kernel carries no other build switch; the
-# diagnostic builds of past measurements are in git history (docs/PERF_NOTES.md names them).
+# lets it publish (a timeout diagnostic).  Read here, in the library, because those tests need it
+# at run time: their probe (scripts/fault_probe.py, a process of its own, since a trap ends its
+# CUDA context) sets it before the layer builds its kernel, and every build's source is generated
+# here; mega_moe keys its launch plans on it and FusedBackend names it in its rows' config.
+# Unset (every other use), it changes nothing.
 EXPERIMENTS = ("SLOW_PUBLISHER", "STUCK_PUBLISHER")
 
 

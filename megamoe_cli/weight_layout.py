@@ -95,7 +95,7 @@ def fp4_layer(
 
     The permutations move whole rows (with their scale runs) and, for L2, columns inside a
     64-column group; a run keeps the index of the 32 channels it was quantized over, and the
-    kernel reads the L2 index of a column by that permutation (``fp4_expand`` in gemm.cuh).
+    kernel reads the L2 index of a column by that permutation (``fp4_expand`` in consumer.cuh).
     """
     block_exp = fp4_block_exponents(scales)
     indices = fp4_scale_indices(scales, block_exp)

@@ -99,8 +99,8 @@ def test_profile_and_trace_names_follow_the_generated_members():
 
 
 def test_trace_tile_packing_in_the_kernel_matches_the_table():
-    """``trace_tile`` (gemm.cuh) writes the info word by hand: its shifts and masks must be the table's."""
-    body = re.search(r"uint32_t trace_tile\(const Tile& tile\) \{(.*?)\n\}", HEADERS["gemm.cuh"], re.S).group(1)
+    """``trace_tile`` (scheduler.cuh) writes the info word by hand: its shifts and masks must be the table's."""
+    body = re.search(r"uint32_t trace_tile\(const Tile& tile\) \{(.*?)\n\}", HEADERS["scheduler.cuh"], re.S).group(1)
     fields = {f.name: f for f in contract.TRACE_TILE_FIELDS}
     is_l2, expert, n = fields["is_l2"], fields["expert"], fields["n"]
     assert is_l2.bits == 1 and f"tile.is_l2 ? 1u << {is_l2.shift} : 0u" in body

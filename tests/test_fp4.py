@@ -1,5 +1,5 @@
 """MXFP4 expert weights (SPEC §2b) on the CPU: quantization, the kernel's weight layout and its
-on-chip expansion to e4m3, emulated bit for bit from the constants in csrc/megamoe/gemm.cuh, the
+on-chip expansion to e4m3, emulated bit for bit from the constants in csrc/megamoe/consumer.cuh, the
 SwiGLU clamp in the reference, and the errors bad weights get before any launch."""
 
 import math
@@ -26,7 +26,7 @@ from megamoe_cli.quant import (
 )
 from megamoe_cli.reference import moe_reference, moe_reference_distributed, moe_reference_loop
 
-GEMM = (csrc_dir() / "megamoe" / "gemm.cuh").read_text()
+CONSUMER = (csrc_dir() / "megamoe" / "consumer.cuh").read_text()
 SMALL_FP4 = MoEShape(hidden=512, intermediate=256, num_experts=8, num_topk=2, weights="fp4")
 
 
@@ -99,9 +99,9 @@ def byte_perm(x: int, y: int, s: int) -> int:
 
 
 def kernel_expand_word():
-    """fp4_expand_word as gemm.cuh writes it: its masks and selectors are read from the source,
+    """fp4_expand_word as consumer.cuh writes it: its masks and selectors are read from the source,
     so this emulation follows the kernel (a changed constant changes both)."""
-    body = GEMM[GEMM.index("void fp4_expand_word"):]
+    body = CONSUMER[CONSUMER.index("void fp4_expand_word"):]
     body = body[: body.index("\n}\n")]
     mask = int(re.search(r"mag = w & (0x[0-9a-fA-F]+)u", body).group(1), 16)
     shift = int(re.search(r"shifted = w << (\d+)", body).group(1))
@@ -155,7 +155,7 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     expand = kernel_expand_word()
     tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
     # the run whose scale index a word takes, as fp4_expand picks it (L2: permuted K columns)
-    assert "even_run = is_l2 ? run & 2u : run, odd_run = is_l2 ? (run & 2u) + 1 : run;" in GEMM
+    assert "even_run = is_l2 ? run & 2u : run, odd_run = is_l2 ? (run & 2u) + 1 : run;" in CONSUMER
     data = stage[: 256 * 64].view(256, 64)
     idx = stage[256 * 64 :].view(256, 4)
     out = torch.empty(256, 128, dtype=torch.uint8)

@@ -96,7 +96,7 @@ def test_an_overflowed_trace_shows_the_newest_complete_call():
 
 def test_read_trace_unpacks_what_the_kernel_packs_and_names_every_kind():
     """megamoe_trace_event (csrc/megamoe/common.cuh) packs {globaltimer, clock64, cta << 40 | block << 8 |
-    kind, epoch << 32 | info}, info = is_l2 << 31 | expert << 16 | n (trace_tile in gemm.cuh): written out
+    kind, epoch << 32 | info}, info = is_l2 << 31 | expert << 16 | n (trace_tile in scheduler.cuh): written out
     by hand here; the kernel's shifts are the contract's (tests/test_contract.py)."""
     import struct
     from types import SimpleNamespace

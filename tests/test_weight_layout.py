@@ -2,7 +2,7 @@
 
 The kernel never sees the original weight order: it multiplies pool rows by 256-row stages of
 the tiled weights and writes accumulator columns to output columns with fixed index formulas
-(csrc/megamoe/gemm.cuh).  These tests apply the same formulas to the tensors that
+(csrc/megamoe/producer.cuh, consumer.cuh).  These tests apply the same formulas to the tensors that
 `transform_weights_for_mega_moe` produces and check that the result is the plain product.
 """
 

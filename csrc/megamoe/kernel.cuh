@@ -1,16 +1,25 @@
 // The persistent Mega MoE kernel: role split and phase order.
 //   all threads   inputs given by address: copied into the symmetric buffer before the split
 //                 (the profile's consumer start slot includes it)
-//   warp 0        TMA producer for both GEMMs
-//   warps 1-3     dispatch: count (into the owners' counters; small calls also push their rows
-//                 into the owners' direct pools) -> exchange -> schedule -> pull (warps 1-2,
-//                 not on the direct pool); warp 3 then publishes the L1 tiles (publish_l1_tiles)
-//   warpgroups 1-2  WGMMA consumers: L1 + SwiGLU, L2 + combine push; then barrier,
-//                 cleanup and the top-k reduce into y
-// One CTA per SM, all co-resident (the exchange and the combine barrier wait for every CTA).
+//   warp 0        producer (producer.cuh): takes tiles in the scheduler's order (scheduler.cuh)
+//                 and streams them through the stage ring by TMA, for both GEMMs
+//   warps 1-3     dispatcher (dispatch_role; dispatch.cuh): count (into the owners' counters;
+//                 small calls also push their rows into the owners' direct pools) -> exchange
+//                 (barrier.cuh) -> schedule -> pull (warps 1-2, not on the direct pool); warp 3
+//                 then becomes the publisher (publisher.cuh): it announces each finished L1 tile
+//   warpgroups 1-2  consumers (consumer.cuh): WGMMA over each stage, L1 + SwiGLU, L2 + combine
+//                 push; then (consumer_role) barrier, cleanup and the top-k reduce into y
+//                 (combine.cuh)
+// The roles meet in shared memory (storage.cuh).  One CTA per SM, all co-resident (the
+// exchange and the combine barrier wait for every CTA).
 #pragma once
 #include "combine.cuh"
-#include "gemm.cuh"
+#include "consumer.cuh"
+#include "dispatch.cuh"
+#include "producer.cuh"
+#include "publisher.cuh"
+#include "scheduler.cuh"
+#include "storage.cuh"
 
 namespace megamoe {
 
@@ -118,11 +127,11 @@ __device__ __forceinline__ void dispatch_role(const Params& p, SharedStorage& ss
 __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid) {
     uint64_t* grid_sync = at<uint64_t>(p, p.off_grid_sync);
     const uint32_t ct = wg * 128 + tid % 128;
-    MEGAMOE_PROF(const bool prof = tid % 128 == 0;
-                 if (prof) { MEGAMOE_PROF_ADD(kProfConsumerStart, clock64() - ss.prof[2][3]);
-                             MEGAMOE_PROF_ADD(kProfSamplers, 1); })
+    const ConsumerProfile prof(ss, wg, tid);
+    MEGAMOE_PROF(if (prof.sampler) { MEGAMOE_PROF_ADD(kProfConsumerStart, clock64() - ss.prof[2][3]);
+                                     MEGAMOE_PROF_ADD(kProfSamplers, 1); })
     uint32_t l1_tiles = 0;
-    const uint32_t stuck = consumer_loop(p, ss, wg, tid, l1_tiles);
+    const uint32_t stuck = consumer_loop(p, ss, wg, tid, prof, l1_tiles);
     if (stuck == kConsumerPublisherLate || (stuck == kConsumerOk && !publisher_caught_up(p, ss, l1_tiles)))
         fail(p, kPhasePublish, l1_tiles - 1, ptx::ld_volatile_shared_u32(&ss.publish_taken), l1_tiles);
     else if (stuck != kConsumerOk)
@@ -131,7 +140,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     if (ct == 0)
         ss.publish_slot[l1_tiles & 1] = make_uint4(kNoMoreTiles, 0, l1_tiles, 0);
     publish_arrive(l1_tiles & 1);
-    MEGAMOE_PROF(if (prof) ss.prof[wg][8] = clock64();)
+    MEGAMOE_PROF(if (prof.sampler) prof.counters[8] = clock64();)
 
     // The reduce's warps: warp w of CTA b is reduce warp w * grid + b, so the few units of a
     // small call (up to 7 parts of each token's row) land on different SMs, not on one.
@@ -144,7 +153,7 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     if (ct == 0)
         combine_barrier(p, grid_sync + kGridSyncCombineArrivals, ss.schedule.epoch * 4 + 2);
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-    MEGAMOE_PROF(if (prof) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - ss.prof[wg][8]); ss.prof[wg][8] = clock64(); }
+    MEGAMOE_PROF(if (prof.sampler) { MEGAMOE_PROF_ADD(kProfCombineBarrier, clock64() - prof.counters[8]); prof.counters[8] = clock64(); }
                  if (ct == 0) MEGAMOE_TRACE(kTraceBarrierDone, ss.schedule.epoch, 0, 0);)
 
     // Cleanup: every counter this call used returns to zero for the next call.
@@ -169,8 +178,8 @@ __device__ __forceinline__ void consumer_role(const Params& p, SharedStorage& ss
     }
 
     combine_reduce(p, reduce_warp, reduce_warps, ct % 32, first_valid);
-    MEGAMOE_PROF(if (prof) {
-        MEGAMOE_PROF_ADD(kProfReduce, clock64() - ss.prof[wg][8]);
+    MEGAMOE_PROF(if (prof.sampler) {
+        MEGAMOE_PROF_ADD(kProfReduce, clock64() - prof.counters[8]);
         MEGAMOE_PROF_ADD(kProfConsumerTotal, clock64() - ss.prof[2][3]);
     }
                  if (ct == 0) MEGAMOE_TRACE(kTraceCtaEnd, ss.schedule.epoch, 0, 0);)

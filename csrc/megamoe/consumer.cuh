@@ -1,0 +1,461 @@
+// The consumer role (warpgroups 1 and 2): FP8 WGMMAs with per-128-K promotion over each tile
+// the producer streams in, the MXFP4 expansion of the weights to e4m3 in shared memory, the L1
+// SwiGLU/requant epilogue (handed to the publisher) and the L2 combine-push epilogue.  Knows
+// nothing about ranks except where the L2 epilogue pushes a finished row.
+#pragma once
+#include "producer.cuh"
+#include "publisher.cuh"
+#include "scheduler.cuh"
+#include "storage.cuh"
+
+namespace megamoe {
+
+// MXFP4 expansion table: entry i holds the e4m3 bytes of the 8 e2m1 magnitudes times
+// 2^(i - kFp4ScaleBias), codes 0-3 in .x and 4-7 in .y, rounded to nearest even where e4m3 has
+// no exact value (subnormals, flushes to zero; see megamoe_cli/weight_layout.py).  Filled by the
+// first kFp4NumScales consumer threads before the schedule barrier, which orders it for all.
+template <typename Storage>  // a template, so FP8 builds (no Fp4Storage) discard the body unchecked
+__device__ __forceinline__ void fp4_fill_table(Storage& ss, uint32_t consumer_thread) {
+    if constexpr (kWeightFp4) {
+        if (consumer_thread < kFp4NumScales) {
+            constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+            const float scale = __int_as_float((127 + static_cast<int32_t>(consumer_thread) - kFp4ScaleBias) << 23);
+            uint32_t word[2] = {0u, 0u};
+            #pragma unroll
+            for (uint32_t c = 0; c < 8; ++c) {
+                const uint32_t byte = __nv_cvt_float_to_fp8(kE2m1[c] * scale, __NV_SATFINITE, __NV_E4M3);
+                word[c / 4] |= byte << (8 * (c % 4));
+            }
+            ss.fp4_table[consumer_thread] = make_uint2(word[0], word[1]);
+        }
+    }
+}
+
+// Eight e2m1 codes (a word, the lower K index in the low nibble) -> eight e4m3 bytes: the
+// magnitudes by byte permutes of the scale's table entry, the signs (bit 3 of each nibble)
+// moved to bit 7 of their bytes: even nibbles' signs land there after a 4-bit shift, odd ones
+// are there already, and two more permutes put them in nibble order.  (Every selector keeps bit
+// 3 of its nibbles clear: prmt would replicate a sign there instead.)
+__device__ __forceinline__ void fp4_expand_word(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
+    const uint32_t mag = w & 0x77777777u;
+    const uint32_t shifted = w << 4;
+    lo = __byte_perm(lut.x, lut.y, mag) | (__byte_perm(shifted, w, 0x5140) & 0x80808080u);
+    hi = __byte_perm(lut.x, lut.y, mag >> 16) | (__byte_perm(shifted, w, 0x7362) & 0x80808080u);
+}
+
+// Expand B half `half` (128 rows) of the stage's MXFP4 tile into the e4m3 tile `dst` in the
+// 128B-swizzled layout TMA would have written (16-byte unit u of row r at unit u ^ (r % 8)).
+// Lane l takes 32-wide run l % 4 of rows l / 4 + 8 j: a warp reads 512 contiguous bytes and its
+// stores cover every bank group evenly.  L2's K columns are permuted inside 64-column groups
+// (transform_weights_for_mega_moe): the words of run c hold channels of the group's runs
+// 2 (c / 2) and 2 (c / 2) + 1 alternately.
+template <typename Storage>
+__device__ __forceinline__ void fp4_expand(const Storage& ss, uint32_t stage, uint8_t* dst, uint32_t half, bool is_l2,
+                                           uint32_t tid) {
+    if constexpr (kWeightFp4) {
+        const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
+        const uint8_t* raw = ss.b_raw[stage];
+        #pragma unroll
+        for (uint32_t j = 0; j < 4; ++j) {
+            const uint32_t row = half * 128 + warp * 32 + j * 8 + lane / 4;
+            const uint4 w = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * kFp4RowBytes + run * 16));
+            const uint32_t indices = ptx::ld_shared_u32(raw + kFp4DataBytes + row * 4);
+            const uint32_t even_run = is_l2 ? run & 2u : run, odd_run = is_l2 ? (run & 2u) + 1 : run;
+            const uint2 lut0 = ptx::ld_shared_v2_u32(&ss.fp4_table[(indices >> (8 * even_run)) & 0xffu]);
+            const uint2 lut1 = ptx::ld_shared_v2_u32(&ss.fp4_table[(indices >> (8 * odd_run)) & 0xffu]);
+            uint32_t o[8];
+            fp4_expand_word(w.x, lut0, o[0], o[1]);
+            fp4_expand_word(w.y, lut1, o[2], o[3]);
+            fp4_expand_word(w.z, lut0, o[4], o[5]);
+            fp4_expand_word(w.w, lut1, o[6], o[7]);
+            uint8_t* dst_row = dst + row * kBlockK;
+            const uint32_t swizzle = row % 8;
+            ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, o[0], o[1], o[2], o[3]);
+            ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, o[4], o[5], o[6], o[7]);
+        }
+    }
+}
+
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
+// What one consumer warpgroup owns inside a tile: 64 rows starting at `row_base`, and
+// kHalves 128-column halves (`half(h)` is the tile half of local half h).  Wide (block_m 128):
+// rows 64 wg.. and both halves.  Split columns (block_m 64, or a narrow block_m 128 block,
+// one with at most 64 valid rows): rows 0-63 and half wg, so a block that is mostly padding
+// costs half the WGMMAs (notes entry 27).
+template <bool kNarrow>
+struct WgSlice {
+    static constexpr bool kSplitColumns = kBlockM == 64 || kNarrow;
+    static constexpr uint32_t kHalves = kSplitColumns ? 1 : 2;
+    uint32_t wg;
+    __device__ __forceinline__ uint32_t row_base() const { return kSplitColumns ? 0 : 64 * wg; }
+    __device__ __forceinline__ uint32_t half(uint32_t h) const { return kSplitColumns ? wg : h; }
+};
+
+// What the epilogues read from global memory, loaded when a tile starts so that the load
+// latency is not paid between the last promotion and the stores: an L1 tile's routing
+// weights of the thread's two rows, an L2 tile's pool metadata of them ({rank, token, slot}:
+// where each row goes; only read in the epilogue, so the loop does not wait for it).
+struct EpilogueInputs {
+    float weight[2];
+    int4 src[2];
+    bool valid[2];  // L2: the row holds a pair (its push goes out)
+};
+
+template <typename Slice>
+__device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, const SharedStorage& ss, const Tile& tile,
+                                                                Slice slice, uint32_t tid) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+    const uint32_t m0 = tile.block * kBlockM;
+    EpilogueInputs in;
+    if (!tile.is_l2) {
+        const float* pool_weights = at<float>(p, p.off_l1_pool_weights);
+        in.weight[0] = __ldcg(pool_weights + m0 + r0);
+        in.weight[1] = __ldcg(pool_weights + m0 + r0 + 8);
+        in.src[0] = in.src[1] = make_int4(0, 0, 0, 0);
+        in.valid[0] = in.valid[1] = false;
+    } else {
+        in.weight[0] = in.weight[1] = 0.0f;
+        const int4* meta = at<int4>(p, p.off_pool_src_meta);
+        #pragma unroll
+        for (uint32_t r = 0; r < 2; ++r) {
+            // Three scalar loads, not one vector: a dead fourth word's register would be
+            // reused by the K loop, whose write would then wait for the load to land.
+            in.src[r] = make_int4(0, 0, 0, 0);
+            in.valid[r] = tile.direct ? ss.schedule.direct_row_valid(tile.expert, r0 + 8 * r) : r0 + 8 * r < tile.rows;
+            if (in.valid[r]) {
+                const int* row_meta = reinterpret_cast<const int*>(meta + m0 + r0 + 8 * r);
+                in.src[r].x = __ldcg(row_meta);
+                in.src[r].y = __ldcg(row_meta + 1);
+                in.src[r].z = __ldcg(row_meta + 2);
+            }
+        }
+    }
+    return in;
+}
+
+// The consumers' cycle counters, a compile-time instrumentation policy: in profiling builds
+// (MEGAMOE_PROFILE) each warpgroup's first thread samples into ss.prof[wg]; in every other build
+// the struct is empty and the MEGAMOE_PROF lines that read it compile to nothing, so the hot path
+// has one signature for both and release builds spend no register or instruction on it.
+// ss.prof[wg]: slots 0-6 count ProfileSlot 0-6 and are summed into megamoe_profile at the end of
+// consumer_loop; 10-12 count MAINLOOP_L1, MAINLOOP_HEAD, MAINLOOP_HEAD_L2; 7-9 hold timestamps (the
+// L1 epilogue's release, the current tile's or phase's start, consumer_loop's start).
+struct ConsumerProfile {
+#ifdef MEGAMOE_PROFILE
+    bool sampler;        // this thread samples (its warpgroup's first)
+    uint64_t* counters;  // ss.prof[wg]
+    __device__ __forceinline__ ConsumerProfile(SharedStorage& ss, uint32_t wg, uint32_t tid)
+        : sampler(tid % 128 == 0), counters(ss.prof[wg]) {}
+#else
+    __device__ __forceinline__ ConsumerProfile(SharedStorage&, uint32_t, uint32_t) {}
+#endif
+};
+
+// L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
+// per row per 128 channels.  Tile half c holds channels [64 c, 64 c + 64) of the tile's
+// 128; inside a half, accumulator column 16 g + i is gate channel 8 g + i, 16 g + 8 + i up.
+// The act of channel 8 g + 2 q + e (lane q of a quad) is stored at pool column 16 q + 2 g + e
+// of the half, so each lane stores its 16 values of a row as one 16-byte vector; W2's K
+// columns carry the same permutation (transform_weights_for_mega_moe).
+template <typename Slice>
+__device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
+                                            float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
+                                            const EpilogueInputs& in, const ConsumerProfile& prof, uint32_t& l1_tiles) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+    const uint32_t m0 = tile.block * kBlockM;
+    const float (&weight)[2] = in.weight;
+
+    // Activations overwrite the gate slots of the accumulators.
+    float amax[2] = {0.0f, 0.0f};
+    #pragma unroll
+    for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+        #pragma unroll
+        for (uint32_t g = 0; g < 8; ++g) {
+            #pragma unroll
+            for (uint32_t r = 0; r < 2; ++r) {
+                #pragma unroll
+                for (uint32_t e = 0; e < 2; ++e) {
+                    float& gate = acc[64 * h + 8 * g + 2 * r + e];
+                    const float up = acc[64 * h + 8 * g + 4 + 2 * r + e];
+                    if constexpr (kActivationClamp > 0.0f)
+                        gate = silu(fminf(gate, kActivationClamp)) *
+                               fminf(fmaxf(up, -kActivationClamp), kActivationClamp) * weight[r];
+                    else
+                        gate = silu(gate) * up * weight[r];
+                    amax[r] = fmaxf(amax[r], fabsf(gate));
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (uint32_t r = 0; r < 2; ++r) {
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+    }
+    if constexpr (Slice::kSplitColumns) {
+        // The row's other 64 channels live in the other warpgroup.
+        if (q == 0) {
+            ss.row_amax[slice.wg][r0] = amax[0];
+            ss.row_amax[slice.wg][r0 + 8] = amax[1];
+        }
+        ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+        amax[0] = fmaxf(ss.row_amax[0][r0], ss.row_amax[1][r0]);
+        amax[1] = fmaxf(ss.row_amax[0][r0 + 8], ss.row_amax[1][r0 + 8]);
+    }
+    float sf[2], inv[2];
+    #pragma unroll
+    for (uint32_t r = 0; r < 2; ++r) {
+        sf[r] = fmaxf(amax[r], 1e-4f) / 448.0f;
+        inv[r] = 1.0f / sf[r];
+    }
+    uint8_t* pool = at<uint8_t>(p, p.off_l2_pool);
+    #pragma unroll
+    for (uint32_t r = 0; r < 2; ++r) {
+        uint8_t* dst = pool + static_cast<uint64_t>(m0 + r0 + 8 * r) * kIntermediate + tile.n * 128 + 16 * q;
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+            uint32_t packed[4];
+            #pragma unroll
+            for (uint32_t w = 0; w < 4; ++w) {
+                // bytes 4 w .. 4 w + 3 = channels g = 2 w, 2 w + 1 (e = 0, 1 each)
+                const float* a0 = &acc[64 * h + 8 * (2 * w) + 2 * r];
+                const float* a1 = &acc[64 * h + 8 * (2 * w + 1) + 2 * r];
+                const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a0[0] * inv[r], a0[1] * inv[r]),
+                                                                         __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(a1[0] * inv[r], a1[1] * inv[r]),
+                                                                         __NV_SATFINITE, __NV_E4M3);
+                packed[w] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+            }
+            *reinterpret_cast<uint4*>(dst + slice.half(h) * 64) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
+    }
+    if ((!Slice::kSplitColumns || slice.wg == 0) && q == 0) {
+        float* pool_sf = at<float>(p, p.off_l2_pool_sf) + static_cast<uint64_t>(tile.n) * p.num_max_pool_tokens + m0;
+        pool_sf[r0] = sf[0];
+        pool_sf[r0 + 8] = sf[1];
+    }
+    // NOTES: the L2 producer reads these columns with TMA (async proxy) after acquiring the
+    // block's ready bit of this N tile, so every writer fences the proxies, then arrives at the
+    // publisher warp's barrier; that warp's fence and relaxed OR publish the tile (a release
+    // pattern, cumulative over every writer's stores through the barrier: publish_l1_tiles).
+    // The consumers go on to their next tile without waiting for each other or for the fence
+    // (notes entry 64: it was a barrier of both warpgroups and thread 0's fence and OR).
+    MEGAMOE_PROF(if (prof.sampler) prof.counters[7] = clock64();)
+    ptx::fence_proxy_async_global();
+    const uint32_t seq = l1_tiles;
+    if (!publisher_caught_up(p, ss, seq))
+        return false;
+    ++l1_tiles;
+    if (tid % kNumConsumerThreads == 0)
+        ss.publish_slot[seq & 1] = make_uint4(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32), seq, 0);
+    publish_arrive(seq & 1);
+    return true;
+}
+
+// L2 epilogue: BF16 rows pushed straight from the accumulators into the source rank's
+// combine slot [k][token].  W2's output rows are permuted inside every 32-row group (see
+// transform_weights_for_mega_moe): accumulator column 32 jj + 8 t + 2 q + e holds output
+// column 32 jj + 8 q + 2 t + e, so lane q of a quad owns 8 consecutive output columns
+// (16 bytes) per 32-column group and writes them with one vector store; no staging.
+template <typename Slice>
+__device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
+                                            const float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
+                                            const EpilogueInputs& in) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+    (void)ss;
+    __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
+    #pragma unroll
+    for (uint32_t r = 0; r < 2; ++r) {
+        if (!in.valid[r])
+            continue;
+        const int4 src = in.src[r];
+        __nv_bfloat16* dst = combine +
+                             (static_cast<uint64_t>(src.z) * kNumMaxTokens + static_cast<uint32_t>(src.y)) * kHidden +
+                             tile.n * kBlockN;
+        dst = map_to_rank(p, dst, static_cast<uint32_t>(src.x));
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+            #pragma unroll
+            for (uint32_t jj = 0; jj < 4; ++jj) {
+                uint32_t packed[4];
+                #pragma unroll
+                for (uint32_t t = 0; t < 4; ++t) {
+                    const uint32_t i = 64 * h + 4 * (4 * jj + t) + 2 * r;
+                    const __nv_bfloat162 v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+                    packed[t] = *reinterpret_cast<const uint32_t*>(&v);
+                }
+                *reinterpret_cast<uint4*>(dst + slice.half(h) * 128 + 32 * jj + 8 * q) =
+                    make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            }
+        }
+    }
+}
+
+// MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.
+// Per 128-K block and column half: 4 WGMMAs into `part`, wait, then promote into `acc`
+// with the row's A scale and the half's B scale(s).  Returns kConsumerOk, or the parity of
+// a stage wait that timed out (the caller reports it: no call inside this loop).
+constexpr uint32_t kConsumerOk = 0xffffffffu;
+constexpr uint32_t kConsumerPublisherLate = 0xfffffffeu;  // publisher_caught_up timed out
+
+// One tile: main loop and epilogue, for the warpgroup's slice of it.
+template <bool kNarrow>
+__device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss, const Tile& tile, uint32_t wg,
+                                             uint32_t tid, uint32_t& it, float (&acc)[64 * kNumHalvesPerWg],
+                                             float (&part)[64], const ConsumerProfile& prof, uint32_t& l1_tiles) {
+    using Slice = WgSlice<kNarrow>;
+    const Slice slice{wg};
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
+    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+    const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+    MEGAMOE_PROF(uint64_t* prof_c = prof.counters;)
+    const EpilogueInputs in = load_epilogue_inputs(p, ss, tile, slice, tid);
+    #pragma unroll
+    for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
+        acc[i] = 0.0f;
+    for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+        // Shuffled so ptxas sees a warp-uniform stage: the WGMMA descriptors are then built
+        // in uniform registers (32 R2UR and ~50 instructions fewer per K block; notes entry 26).
+        const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
+        const uint32_t stage = it_uniform % kNumStages;
+        const uint32_t phase = (it / kNumStages) & 1;
+        MEGAMOE_PROF(if (prof.sampler && kb == 2) {
+            const uint64_t head = clock64() - prof_c[8];
+            prof_c[11] += head;
+            if (tile.is_l2)
+                prof_c[12] += head;
+        })
+        MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
+        if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
+            return phase;
+        MEGAMOE_PROF(if (prof.sampler) prof_c[kProfStageWait] += clock64() - prof_t1;)
+        // MXFP4: this warpgroup expands the B half it reads into e4m3 tile it % 2, then the
+        // barrier orders every warp's expansion (and its proxy fence) before the WGMMAs.
+        // NOTES: expanding K block it overwrites tile (it - 2) % 2 only after the barrier of it - 1,
+        // which every warp reaches after waiting for its WGMMAs of it - 2.  (Expanding K block
+        // it + 1 under the WGMMAs of it measured slower: docs/PERF_NOTES.md.)
+        const uint32_t b_tile = kWeightFp4 ? it_uniform & 1 : stage;
+        if constexpr (kWeightFp4) {
+            static_assert(Slice::kSplitColumns, "MXFP4: each warpgroup expands only the B half it reads");
+            fp4_expand(ss, stage, ss.b[b_tile], slice.half(0), tile.is_l2, tid);
+            ptx::fence_proxy_async_shared();  // the WGMMAs read the e4m3 tile through the async proxy
+            if (wg)
+                ptx::named_bar_sync(kBarExpand + 1, 128);
+            else
+                ptx::named_bar_sync(kBarExpand, 128);
+        }
+        const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
+        const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
+        float sfb_even[Slice::kHalves], sfb_odd[Slice::kHalves];
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+            sfb_even[h] = ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h)]);
+            sfb_odd[h] = tile.is_l2 ? sfb_even[h] : ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h) + 1]);
+        }
+        const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[b_tile] + slice.half(h) * 128 * kBlockK);
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                ptx::warpgroup_fence_operand(part[i]);
+            ptx::wgmma_fence();
+            #pragma unroll
+            for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i)
+                ptx::warpgroup_fence_operand(part[i]);
+            if (h == Slice::kHalves - 1 && lane == 0)
+                release_stage(ss, stage);
+
+            // Promote: acc += part * sfa(row) * sfb(column group)
+            const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_odd[h];
+            const float s10 = sfa1 * sfb_even[h], s11 = sfa1 * sfb_odd[h];
+            #pragma unroll
+            for (uint32_t i = 0; i < 64; ++i) {
+                const bool odd_group = ((i / 4) % 2) == 1;
+                const bool second_row = ((i / 2) % 2) == 1;
+                const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
+                acc[64 * h + i] = fmaf(part[i], scale, acc[64 * h + i]);
+            }
+        }
+    }
+    MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof.sampler) {
+        prof_c[kProfMainloop] += prof_t2 - prof_c[8];
+        if (!tile.is_l2)
+            prof_c[10] += prof_t2 - prof_c[8];
+    })
+    if (tile.is_l2)
+        epilogue_l2(p, ss, tile, acc, slice, tid, in);
+    else if (!epilogue_l1(p, ss, tile, acc, slice, tid, in, prof, l1_tiles))
+        return kConsumerPublisherLate;
+    MEGAMOE_PROF(if (prof.sampler && tile.is_l2) {
+        prof_c[kProfEpilogueL2] += clock64() - prof_t2;
+        prof_c[kProfTilesL2] += 1;
+    } else if (prof.sampler) {
+        prof_c[kProfEpilogueL1] += clock64() - prof_t2;
+        prof_c[kProfTilesL1] += 1;
+        MEGAMOE_PROF_ADD(kProfEpilogueL1Math, prof_c[7] - prof_t2);
+        MEGAMOE_PROF_ADD(kProfEpilogueL1Release, clock64() - prof_c[7]);
+    })
+    return kConsumerOk;
+}
+
+__device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
+                                                  const ConsumerProfile& prof, uint32_t& l1_tiles) {
+    float acc[64 * kNumHalvesPerWg], part[64];
+    uint32_t it = 0;
+    MEGAMOE_PROF(uint64_t* prof_c = prof.counters;
+                 if (prof.sampler) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = prof_c[12] = 0;
+                                     prof_c[9] = clock64(); })
+    while (true) {
+        // The first stage of a tile says which tile it is (or that none is left).
+        MEGAMOE_PROF(if (prof.sampler) prof_c[8] = clock64();)
+        if (!mbar_wait_or_timeout(p, &ss.full[it % kNumStages], (it / kNumStages) & 1))
+            return (it / kNumStages) & 1;
+        MEGAMOE_PROF(if (prof.sampler) { prof_c[kProfTileWait] += clock64() - prof_c[8]; prof_c[8] = clock64(); })
+        // Shuffled so the compiler sees a warp-uniform tile.
+        uint4 packed = ptx::ld_shared_v4_u32(&ss.stage_tile[it % kNumStages]);
+        packed.x = __shfl_sync(0xffffffffu, packed.x, 0);
+        if (packed.x == kNoMoreTiles) {
+            MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTilesDone, ss.schedule.epoch, 0, 0);)
+            break;
+        }
+        packed.y = __shfl_sync(0xffffffffu, packed.y, 0);
+        packed.z = __shfl_sync(0xffffffffu, packed.z, 0);
+        packed.w = __shfl_sync(0xffffffffu, packed.w, 0);
+        const Tile tile = unpack_tile(packed);
+        MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile), tile.block);)
+        uint32_t status;
+        if constexpr (kBlockM == 128) {
+            // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
+            // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
+            const bool narrow = tile.rows <= 64;
+            status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles)
+                            : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles);
+        } else {
+            status = run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles);
+        }
+        if (status != kConsumerOk)
+            return status;
+        MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTileEnd, ss.schedule.epoch, trace_tile(tile), tile.block);)
+    }
+    MEGAMOE_PROF(if (prof.sampler) {
+        for (uint32_t i = 0; i < 7; ++i)
+            MEGAMOE_PROF_ADD(i, prof_c[i]);
+        MEGAMOE_PROF_ADD(kProfMainloopL1, prof_c[10]);
+        MEGAMOE_PROF_ADD(kProfMainloopHead, prof_c[11]);
+        MEGAMOE_PROF_ADD(kProfMainloopHeadL2, prof_c[12]);
+        MEGAMOE_PROF_ADD(kProfConsumerLoop, clock64() - prof_c[9]);
+    })
+    return kConsumerOk;
+}
+
+}  // namespace megamoe
