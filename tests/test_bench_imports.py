@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from graph_checks import find_cycle
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megamoe_cli" / "bench"
 PREFIX = "megamoe_cli.bench"
@@ -76,30 +77,6 @@ def _edges(module_level_only):
             for name, (found, _, _) in GRAPH.items()}
 
 
-def _cycle(edges):
-    """One cycle of the graph as a list of modules, or None."""
-    state = {}
-
-    def visit(node, path):
-        state[node] = "open"
-        for nxt in edges.get(node, ()):
-            if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state:
-                found = visit(nxt, path + [nxt])
-                if found:
-                    return found
-        state[node] = "done"
-        return None
-
-    for start in edges:
-        if start not in state:
-            found = visit(start, [start])
-            if found:
-                return found
-    return None
-
-
 def test_the_reader_sees_the_imports_it_must():
     # A check that finds nothing proves nothing: the graph holds the imports known to be there.
     edges = _edges(module_level_only=False)
@@ -107,18 +84,18 @@ def test_the_reader_sees_the_imports_it_must():
     assert "launcher" in edges["tune"] and "session" in edges["tune"]
     assert "results" in _edges(module_level_only=True)["launcher"]
     assert "tune" not in _edges(module_level_only=True)["worker"]  # the worker takes it inside a function
-    assert _cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": ["b"], "b": []}) is None
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b"], "b": []}) is None
 
 
 def test_no_cycle_among_the_bench_modules_at_module_level():
-    assert _cycle(_edges(module_level_only=True)) is None
+    assert find_cycle(_edges(module_level_only=True)) is None
 
 
 def test_no_cycle_among_the_bench_modules_counting_imports_inside_functions():
     # A cycle closed by an import inside a function still ties the modules into one: neither can
     # change or be tested without the other.
-    assert _cycle(_edges(module_level_only=False)) is None
+    assert find_cycle(_edges(module_level_only=False)) is None
 
 
 def test_the_launcher_and_the_worker_meet_only_through_the_run_folder():

@@ -11,12 +11,12 @@ path carries none.
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from megamoe_cli.kernel_source import Variant, csrc_dir, generate_source
 from megamoe_cli.layout import PRESETS
+from graph_checks import find_cycle
 
 KERNEL_DIR = csrc_dir() / "megamoe"
 HEADERS = {path.name: path.read_text() for path in sorted(KERNEL_DIR.glob("*.cuh"))}
@@ -28,33 +28,9 @@ def local_includes(text: str):
     return _LOCAL_INCLUDE.findall(text)
 
 
-def include_cycle(graph):
-    """A cycle of the include graph as a list of headers, or None."""
-    state = {}
-
-    def visit(node, path):
-        state[node] = "open"
-        for child in graph.get(node, ()):
-            if state.get(child) == "open":
-                return path[path.index(child):] + [child]
-            if child not in state:
-                found = visit(child, path + [child])
-                if found:
-                    return found
-        state[node] = "done"
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node, [node])
-            if found:
-                return found
-    return None
-
-
 def test_the_cycle_check_finds_a_cycle():
-    assert include_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
-    assert include_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
 
 
 def test_the_include_graph_is_acyclic_and_names_only_kernel_headers():
@@ -62,7 +38,7 @@ def test_the_include_graph_is_acyclic_and_names_only_kernel_headers():
     for name, includes in graph.items():
         for target in includes:
             assert target in HEADERS, f"{name} includes {target}, which is not a header of {KERNEL_DIR}"
-    assert include_cycle(graph) is None, f"include cycle: {' -> '.join(include_cycle(graph))}"
+    assert find_cycle(graph) is None, f"include cycle: {' -> '.join(find_cycle(graph))}"
     missing_pragma = [name for name, text in HEADERS.items() if "#pragma once" not in text]
     assert not missing_pragma, f"headers without #pragma once: {missing_pragma}"
 
