@@ -20,8 +20,8 @@ from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import run_bench, terminate_run, worker_pids
 from megamoe_cli.bench.results import COLUMNS, append_rows, make_row, read_results
 from megamoe_cli.bench.sweep import load_sweep_text
-from megamoe_cli.bench.worker import TEST_CRASH_ENV, TEST_FAIL_ENV, TEST_HANG_ENV
 from megamoe_cli.errors import MegaMoEError
+from cli_checks import CRASH_ENV, FAIL_ENV, HANG_ENV, fault_env
 
 SWEEP = """\
 name: torchrun_test
@@ -100,7 +100,7 @@ def test_failed_point_continues_and_a_dying_rank_stops_the_run(tmp_path):
     old_bytes = out.read_bytes()
 
     points = sweep_points()
-    env = {TEST_FAIL_ENV: "1", TEST_CRASH_ENV: "3"}
+    env = fault_env({FAIL_ENV: 1, CRASH_ENV: 3})
     started = time.monotonic()
     result = run_bench(points, 2, out, device="cpu", env=env, run_root=tmp_path)
     elapsed = time.monotonic() - started
@@ -139,7 +139,7 @@ def test_stuck_point_fails_within_its_timeout(tmp_path):
     points = sweep_points(SWEEP.replace("timeout_s: 60", "timeout_s: 4"))[:2]
     out = tmp_path / "results.jsonl"
     started = time.monotonic()
-    result = run_bench(points, 2, out, device="cpu", env={TEST_HANG_ENV: "0"}, run_root=tmp_path)
+    result = run_bench(points, 2, out, device="cpu", env=fault_env({HANG_ENV: 0}), run_root=tmp_path)
     elapsed = time.monotonic() - started
 
     assert not result.ok

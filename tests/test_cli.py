@@ -723,18 +723,19 @@ def test_bench_with_failed_points_exits_3_and_says_where_the_run_files_are(monke
 
 
 def test_bench_exit_status_on_cpu_ranks_0_when_all_points_pass_3_when_one_fails(tmp_path, monkeypatch):
-    from megamoe_cli.bench.worker import TEST_FAIL_ENV
+    from cli_checks import FAIL_ENV, fault_env
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the run folder lands
     args = ("bench", "--device", "cpu", "--preset", "small", "--tokens", "4,8", "--backend", "reference",
             "--warmup", "0", "--iters", "1", "--out", str(tmp_path / "r.csv"))
-    monkeypatch.setenv(TEST_FAIL_ENV, "1")
+    for name, value in fault_env({FAIL_ENV: 1}).items():
+        monkeypatch.setenv(name, value)
     failed = run(*args)
     assert failed.exit_code == 3, failed.output
     (run_dir,) = tmp_path.glob("megamoe-bench-*")
     assert failed.stderr.strip().splitlines()[-1].endswith(f"run files kept in {run_dir}")
     assert "RuntimeError: injected failure" in (run_dir / "torchrun.log").read_text()  # the rank's traceback
-    monkeypatch.delenv(TEST_FAIL_ENV)
+    monkeypatch.delenv(FAIL_ENV)
     clean = run(*args)
     assert clean.exit_code == 0, clean.output
     assert list(tmp_path.glob("megamoe-bench-*")) == [run_dir]  # a clean run removes its folder

@@ -32,7 +32,6 @@ from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import run_bench, worker_pids
 from megamoe_cli.bench.results import append_rows, make_row, read_results
 from megamoe_cli.bench.sweep import load_sweep_text
-from megamoe_cli.bench.worker import TEST_CRASH_ENV, TEST_HANG_ENV
 from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError, MegaMoETimeout
 from megamoe_cli.kernel_source import (
@@ -47,6 +46,7 @@ from megamoe_cli.kernel_source import (
 )
 from megamoe_cli.layout import PRESETS, BufferConfig, MoEShape, build_layout
 from megamoe_cli.problem import make_expert_weights
+from cli_checks import CRASH_ENV, HANG_ENV, fault_env
 
 REPO = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
@@ -334,7 +334,8 @@ def wait_gone(pids, wait_s=10.0):
 
 def test_cli_bench_point_that_hangs_is_stopped_by_its_watchdog(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the run folder lands here
-    monkeypatch.setenv(TEST_HANG_ENV, "0")
+    for name, value in fault_env({HANG_ENV: 0}).items():
+        monkeypatch.setenv(name, value)
     out = tmp_path / "r.csv"
     started = time.monotonic()
     result = CliRunner().invoke(main, ["bench", "--device", "cpu", "--preset", "small", "--tokens", "4",
@@ -360,7 +361,7 @@ def test_cli_bench_point_that_hangs_is_stopped_by_its_watchdog(tmp_path, monkeyp
 def test_after_a_rank_crashes_mid_sweep_the_next_run_appends_to_the_same_file(tmp_path):
     points = load_sweep_text(SWEEP).points
     out = tmp_path / "results.csv"
-    crashed = run_bench(points, 2, out, device="cpu", env={TEST_CRASH_ENV: "1"}, grace_s=2, run_root=tmp_path)
+    crashed = run_bench(points, 2, out, device="cpu", env=fault_env({CRASH_ENV: 1}), grace_s=2, run_root=tmp_path)
     assert not crashed.ok
     assert "rank 1 failed first" in crashed.message
     assert "test hook MEGAMOE_TEST_CRASH_AT_POINT=1: exiting at point 1" in crashed.message
@@ -400,7 +401,7 @@ def test_a_stop_signal_ends_every_process_of_the_run_and_keeps_its_rows(tmp_path
     pid mid-sweep: torchrun starts every rank in a session of its own, so none of them gets the
     signal; the CLI must stop them all, save the rows measured, and exit with 128 + the signal."""
     out = tmp_path / "r.csv"
-    env = launcher.run_environment({TEST_HANG_ENV: "1", "TMPDIR": str(tmp_path)})
+    env = launcher.run_environment({**fault_env({HANG_ENV: 1}), "TMPDIR": str(tmp_path)})
     proc = subprocess.Popen(
         [sys.executable, "-m", "megamoe_cli", "bench", "--device", "cpu", "--preset", "small", "--tokens", "4,8",
          "--backend", "reference", "--warmup", "0", "--iters", "1", "--point-timeout", "120", "--out", str(out)],
@@ -600,10 +601,12 @@ while True:
 
 
 def interruptible():
-    """preexec_fn: SIGINT back to its default in the child.  A test run started in the background
-    by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python then leaves it
-    ignored, so a SIGINT sent by the test would be lost and the child never stop."""
+    """preexec_fn: SIGINT and SIGHUP back to their defaults in the child.  A test run started in
+    the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and one under
+    `nohup` SIGHUP; the CLI leaves an ignored signal ignored (as a command run under nohup should),
+    so a signal sent by the test would be lost and the child never stop."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def start_writer(path, generation):

@@ -14,8 +14,7 @@ import pytest
 
 from megamoe_cli.bench import launcher, results
 from megamoe_cli.bench import record as lib
-from megamoe_cli.bench.worker import TEST_HANG_ENV
-from cli_checks import assert_one_line_error, run_cli
+from cli_checks import HANG_ENV, assert_one_line_error, fault_env, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "cpu_smoke.yaml"
@@ -150,7 +149,7 @@ def test_help_says_what_it_writes_and_its_exit_statuses():
 
 def test_sigterm_stops_every_rank_and_the_metadata_says_the_record_stopped(tmp_path):
     folder = tmp_path / "rec"
-    env = launcher.run_environment({TEST_HANG_ENV: "1", "TMPDIR": str(tmp_path)})
+    env = launcher.run_environment({**fault_env({HANG_ENV: 1}), "TMPDIR": str(tmp_path)})
     proc = subprocess.Popen([sys.executable, "-m", "megamoe_cli", "record", "--sweep", str(SMOKE), "--device", "cpu",
                              "--out-dir", str(folder)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

@@ -33,12 +33,6 @@ Files in ``--run-dir`` (``bench.rundir``): ``rank<R>.pid`` (so the launcher can 
 torchrun orphans), ``env.json`` (environment columns), ``progress.jsonl``
 (rank 0: one line per point started) and ``fatal.rank<R>.txt``.
 
-Test hooks (integer point index; they act on the last rank only, so the other
-ranks see a real peer failure): ``MEGAMOE_TEST_CRASH_AT_POINT`` exits the
-process at the start of that point, ``MEGAMOE_TEST_FAIL_AT_POINT`` raises in
-its prepare phase, ``MEGAMOE_TEST_HANG_AT_POINT`` never finishes its prepare
-phase.
-
 Imports: ``rundir``, ``session`` (module level); ``results``, ``sweep``, ``envinfo``, ``metrics``
 and, for their plan sections, ``tune`` and ``profile`` (inside functions).  Nothing imports the worker: the
 launcher starts it by module name.
@@ -62,21 +56,11 @@ from .rundir import (ENV_FILE, FATAL_FILE, LOST_CONTACT, PID_FILE, PROGRESS_FILE
                      write_text_atomic)
 from .session import RankSession, error_text, merge_errors
 
-TEST_CRASH_ENV = "MEGAMOE_TEST_CRASH_AT_POINT"
-TEST_FAIL_ENV = "MEGAMOE_TEST_FAIL_AT_POINT"
-TEST_HANG_ENV = "MEGAMOE_TEST_HANG_AT_POINT"
-
 EXIT_TIMEOUT = 3
-EXIT_TEST_CRASH = 1
 
 MAX_ERROR_CHARS = 1500
 # How long rank 0 waits for a dead peer's own account before recording a lost point.
 PEER_FATAL_WAIT_S = 2.0
-
-
-def _test_hook(name: str, index: int, rank: int, world_size: int) -> bool:
-    value = os.environ.get(name)
-    return value is not None and value.strip() == str(index) and rank == world_size - 1
 
 
 class RowSink:
@@ -309,10 +293,6 @@ class Worker:
         for index, point in enumerate(self.points):
             if self.rank == 0:
                 append_line(self.run_dir / PROGRESS_FILE, json.dumps({"event": "start", "index": index}))
-            if _test_hook(TEST_CRASH_ENV, index, self.rank, self.world_size):
-                message = f"rank {self.rank}: test hook {TEST_CRASH_ENV}={index}: exiting at point {index}"
-                _fatal(self.run_dir, self.rank, message, RankFailed(message))
-                os._exit(EXIT_TEST_CRASH)
             self.current = (index, point)
             self.watchdog.arm(f"point {index} ({point.describe()})", point.timeout_s)
             row = self.run_point(index, point)
@@ -348,11 +328,6 @@ class Worker:
         def prepare() -> None:
             from ..backends import get_backend
 
-            if _test_hook(TEST_FAIL_ENV, index, self.rank, self.world_size):
-                raise RuntimeError(f"injected failure ({TEST_FAIL_ENV}={index})")
-            if _test_hook(TEST_HANG_ENV, index, self.rank, self.world_size):
-                while True:
-                    time.sleep(1.0)
             runner = get_backend(point.backend).prepare(state["problem"], self.group, dict(point.config))
             state["runner"] = runner
             config = getattr(runner, "config", None)

@@ -14,7 +14,7 @@ import torch
 from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import worker_pids
 from megamoe_cli.bench.results import read_results
-from megamoe_cli.bench.worker import TEST_HANG_ENV
+from cli_checks import HANG_ENV, fault_env
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,7 @@ def test_a_stop_signal_ends_every_gpu_rank_and_keeps_the_rows(tmp_path, sig):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     out = tmp_path / "r.csv"
-    env = launcher.run_environment({TEST_HANG_ENV: "1", "TMPDIR": str(tmp_path)})
+    env = launcher.run_environment({**fault_env({HANG_ENV: 1}), "TMPDIR": str(tmp_path)})
     proc = subprocess.Popen(
         [sys.executable, "-m", "megamoe_cli", "bench", "--preset", "small", "--tokens", "64,128",
          "--backend", "fused", "--warmup", "1", "--iters", "3", "--point-timeout", "300", "--out", str(out)],
