@@ -1,14 +1,17 @@
 """What the CLI tests share: running the click entry point in-process, the check that a bad
 input ends in one `error: ...` line (exit status 2 unless said otherwise) with nothing on stdout,
-and the environment that makes a run's last worker rank fail at a point (tests/fault_hooks)."""
+the environment that makes a run's last worker rank fail at a point (tests/fault_hooks), and the
+stop of a CLI process by a signal with the processes its run started."""
 
 import os
+import signal
 from pathlib import Path
 
 from click.testing import CliRunner
 from fault_hooks.sitecustomize import CRASH_ENV, FAIL_ENV, HANG_ENV
 
-__all__ = ["CRASH_ENV", "FAIL_ENV", "HANG_ENV", "assert_one_line_error", "fault_env", "run_cli"]
+__all__ = ["CRASH_ENV", "FAIL_ENV", "HANG_ENV", "assert_one_line_error", "fault_env", "interrupt", "processes_mentioning",
+           "run_cli"]
 
 from megamoe_cli.cli import main
 
@@ -35,3 +38,37 @@ def fault_env(hooks):
     hooks: the variables, and PYTHONPATH led by tests/fault_hooks (its sitecustomize installs them)."""
     path = [str(FAULT_HOOKS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**{name: str(index) for name, index in hooks.items()}, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def processes_mentioning(text):
+    """PIDs of the live processes whose command line holds ``text`` (torchrun and the ranks name the
+    run folder on theirs), this test's own process aside."""
+    from megamoe_cli.bench import launcher
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if text.encode() in cmdline and launcher._alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+def interrupt(proc, sig, timeout):
+    """Send ``sig`` to a CLI process started in a session of its own: it must exit with 128 + the
+    signal within ``timeout`` seconds, its last stderr line ``error: interrupted by <SIG>``.  Its
+    process group is killed if it is still there; returns its stderr."""
+    try:
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 128 + sig, stderr
+    assert stderr.strip().splitlines()[-1] == f"error: interrupted by {sig.name}"
+    return stderr

@@ -21,7 +21,7 @@ from megamoe_cli.bench.launcher import run_bench, terminate_run, worker_pids
 from megamoe_cli.bench.results import COLUMNS, append_rows, make_row, read_results
 from megamoe_cli.bench.sweep import load_sweep_text
 from megamoe_cli.errors import MegaMoEError
-from cli_checks import CRASH_ENV, FAIL_ENV, HANG_ENV, fault_env
+from cli_checks import CRASH_ENV, FAIL_ENV, HANG_ENV, fault_env, processes_mentioning
 
 SWEEP = """\
 name: torchrun_test
@@ -264,19 +264,6 @@ def test_overall_timeout(tmp_path, fake_torchrun):
     result = run_bench(sweep_points()[:1], 2, None, device="cpu", timeout_s=1.5, grace_s=1, run_root=tmp_path)
     assert "the run exceeded its timeout of 1.5 s" in result.message
     assert no_survivors(result.run_dir)
-
-
-def processes_mentioning(text):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if text.encode() in f.read() and launcher._alive(int(entry)):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
 
 
 def wait_for(condition, wait_s=10.0):

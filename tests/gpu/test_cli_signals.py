@@ -14,22 +14,9 @@ import torch
 from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import worker_pids
 from megamoe_cli.bench.results import read_results
-from cli_checks import HANG_ENV, fault_env
+from cli_checks import HANG_ENV, fault_env, interrupt, processes_mentioning
 
 pytestmark = pytest.mark.gpu
-
-
-def _processes_mentioning(text):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if text.encode() in f.read() and launcher._alive(int(entry)):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
 
 
 def _gpu_pids():
@@ -64,21 +51,18 @@ def test_a_stop_signal_ends_every_gpu_rank_and_keeps_the_rows(tmp_path, sig):
         (run_dir,) = tmp_path.glob("megamoe-bench-*")
         ranks = set(worker_pids(run_dir).values())
         assert len(ranks) == torch.cuda.device_count()
-        run = _processes_mentioning(str(run_dir))
+        run = processes_mentioning(str(run_dir))
         before = out.read_bytes()
-        proc.send_signal(sig)
-        _, stderr = proc.communicate(timeout=120)
+        interrupt(proc, sig, timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
 
-    assert proc.returncode == 128 + sig, stderr
-    assert stderr.strip().splitlines()[-1] == f"error: interrupted by {sig.name}"
     deadline = time.monotonic() + 10
     while any(launcher._alive(pid) for pid in run) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _processes_mentioning(str(run_dir)), "a process of the run outlived the command"
+    assert not processes_mentioning(str(run_dir)), "a process of the run outlived the command"
     holders = _gpu_pids()
     if holders is not None:
         assert not holders & ranks, "a rank still holds a GPU"
