@@ -22,10 +22,10 @@ from typing import Tuple
 import torch
 
 from .kernel_source import BLOCK_N, FP4_STAGE_BYTES
-from .quant import MX_BLOCK, UE8M0_BIAS, e2m1_values, pack_e2m1, unpack_e2m1
+from .quant import MX_BLOCK, UE8M0_BIAS, e2m1_values, unpack_e2m1
 
 BLOCK_K = 128
-# MXFP4 stage: 256 rows x 64 bytes of packed e2m1 codes, then 256 rows x 4 scale indices
+# MXFP4 stage: 256 rows x 64 bytes of e2m1 codes (fp4_words), then 256 rows x 4 scale indices
 FP4_ROW_BYTES = BLOCK_K // 2
 FP4_SCALES_PER_ROW = BLOCK_K // MX_BLOCK
 assert FP4_STAGE_BYTES == BLOCK_N * (FP4_ROW_BYTES + FP4_SCALES_PER_ROW)
@@ -34,6 +34,11 @@ assert FP4_STAGE_BYTES == BLOCK_N * (FP4_ROW_BYTES + FP4_SCALES_PER_ROW)
 FP4_SCALE_BIAS = 25
 FP4_NUM_SCALES = 32
 FP4_MAX_REL_EXP = 6
+# The kernel's words of 8 codes (K order within the word: code k): nibble k holds code k's
+# magnitude in bits 0-2 and, in bit 3, the sign of code FP4_SIGN_SOURCE[k].  Codes 0-3's signs
+# then sit at bits 7, 15, 23, 31 and codes 4-7's at bits 3, 11, 19, 27, bit 7 of their e4m3
+# bytes as is or after a 4-bit shift (fp4_expand_word).
+FP4_SIGN_SOURCE = (4, 0, 5, 1, 6, 2, 7, 3)
 
 
 def permute_l1_rows(w: torch.Tensor) -> torch.Tensor:
@@ -77,10 +82,19 @@ def fp4_scale_indices(scales: torch.Tensor, block_exp: torch.Tensor) -> torch.Te
     return (s - b + FP4_SCALE_BIAS).clamp(0, FP4_NUM_SCALES - 1).to(torch.uint8)
 
 
+def fp4_words(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes ``uint8 [..., K]`` (K a multiple of 8) -> ``uint8 [..., K/2]``: little-endian
+    32-bit words of 8 codes each, magnitudes and signs placed as FP4_SIGN_SOURCE says."""
+    c = codes.reshape(*codes.shape[:-1], -1, 8)
+    nibbles = (c & 7) | ((c[..., list(FP4_SIGN_SOURCE)] >> 3) << 3)
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).reshape(*codes.shape[:-1], -1)
+
+
 def fp4_stages(codes: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Permuted e2m1 codes ``[E, N, K]`` and their runs' scale indices ``[E, N, K/32]`` ->
-    ``uint8 [E, N/256, K/128, FP4_STAGE_BYTES]``: per stage the packed rows, then the indices."""
-    data = tile_stages(pack_e2m1(codes), FP4_ROW_BYTES)
+    ``uint8 [E, N/256, K/128, FP4_STAGE_BYTES]``: per stage the rows' words (fp4_words), then the
+    indices."""
+    data = tile_stages(fp4_words(codes), FP4_ROW_BYTES)
     idx = tile_stages(indices.contiguous(), FP4_SCALES_PER_ROW)
     e, nt, kt = data.shape[:3]
     return torch.cat([data.reshape(e, nt, kt, -1), idx.reshape(e, nt, kt, -1)], dim=-1).contiguous()

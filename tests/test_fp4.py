@@ -99,24 +99,28 @@ def byte_perm(x: int, y: int, s: int) -> int:
 
 
 def kernel_expand_word():
-    """fp4_expand_word as consumer.cuh writes it: its masks and selectors are read from the source,
-    so this emulation follows the kernel (a changed constant changes both)."""
+    """fp4_expand_word as consumer.cuh writes it: its mask, shift and sign masks are read from the
+    source, so this emulation follows the kernel (a changed constant changes both)."""
     body = CONSUMER[CONSUMER.index("void fp4_expand_word"):]
     body = body[: body.index("\n}\n")]
-    mask = int(re.search(r"mag = w & (0x[0-9a-fA-F]+)u", body).group(1), 16)
-    shift = int(re.search(r"shifted = w << (\d+)", body).group(1))
-    sel_lo, sel_hi = (int(x, 16) for x in re.findall(r"__byte_perm\(shifted, w, (0x[0-9a-fA-F]+)\)", body))
-    sign = int(re.search(r"\) & (0x[0-9a-fA-F]+)u\)", body).group(1), 16)
-    hi_shift = int(re.search(r"mag >> (\d+)\)", body).group(1))
+    mask = int(re.search(r"and\.b32 %0, %1, (0x[0-9a-fA-F]+);", body).group(1), 16)
+    lo_sign = int(re.search(r"lo = __byte_perm\(lut\.x, lut\.y, mag\) \| \(w & (0x[0-9a-fA-F]+)u\);", body).group(1), 16)
+    hi = re.search(r"hi = __byte_perm\(lut\.x, lut\.y, mag >> (\d+)\) \| \(\(w << (\d+)\) & (0x[0-9a-fA-F]+)u\);", body)
+    hi_shift, sign_shift, hi_sign = int(hi.group(1)), int(hi.group(2)), int(hi.group(3), 16)
 
     def expand(w: int, lut: tuple) -> tuple:
         mag = w & mask
-        shifted = (w << shift) & 0xFFFFFFFF
-        lo = byte_perm(lut[0], lut[1], mag & 0xFFFF) | (byte_perm(shifted, w, sel_lo) & sign)
-        hi = byte_perm(lut[0], lut[1], (mag >> hi_shift) & 0xFFFF) | (byte_perm(shifted, w, sel_hi) & sign)
+        lo = byte_perm(lut[0], lut[1], mag & 0xFFFF) | (w & lo_sign)
+        hi = byte_perm(lut[0], lut[1], (mag >> hi_shift) & 0xFFFF) | (((w << sign_shift) & 0xFFFFFFFF) & hi_sign)
         return lo, hi
 
     return expand
+
+
+def word_of(codes: list) -> int:
+    """Eight codes (K order) as the kernel's 32-bit word, packed by the library (fp4_words)."""
+    packed = wl.fp4_words(torch.tensor(codes, dtype=torch.uint8)).tolist()
+    return sum(b << (8 * i) for i, b in enumerate(packed))
 
 
 def table_entry(index: int) -> tuple:
@@ -142,11 +146,38 @@ def test_expand_word_gives_every_code_its_signed_value():
         gen = torch.Generator().manual_seed(index)
         words = [list(range(8)), [8 + k for k in range(8)]] + torch.randint(0, 16, (300, 8), generator=gen).tolist()
         for codes in words:
-            w = sum(c << (4 * k) for k, c in enumerate(codes))
-            lo, hi = expand(w, lut)
+            lo, hi = expand(word_of(codes), lut)
             got = [(lo >> (8 * k)) & 0xFF for k in range(4)] + [(hi >> (8 * k)) & 0xFF for k in range(4)]
             want = [want_mag[c & 7] | (0x80 if c & 8 else 0) for c in codes]
             assert got == want, (index, codes)
+
+
+def kernel_entry():
+    """fp4_entry as consumer.cuh writes it, and the first index the kernel computes entries from
+    (common.cuh's kFp4FirstNormalIndex), both read from the source."""
+    const = {name: int(value, 16) for name, value in
+             re.findall(r"(kE2m1AsE4m3Lo|kE2m1AsE4m3Hi|kFp4EntryStepLo|kFp4EntryStepHi) = (0x[0-9a-fA-F]+)u", CONSUMER)}
+    assert len(const) == 4
+    common = (csrc_dir() / "megamoe" / "common.cuh").read_text()
+    first = wl.FP4_SCALE_BIAS - int(re.search(r"kFp4FirstNormalIndex = kFp4ScaleBias - (\d+);", common).group(1))
+    assert "__vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u)" in CONSUMER
+
+    def entry(index: int) -> tuple:
+        d = index - wl.FP4_SCALE_BIAS
+        return ((const["kE2m1AsE4m3Lo"] + d * const["kFp4EntryStepLo"]) & 0xFFFFFFFF,
+                (const["kE2m1AsE4m3Hi"] + d * const["kFp4EntryStepHi"]) & 0xFFFFFFFF)
+
+    return entry, first
+
+
+def test_computed_entries_equal_the_table_where_the_kernel_computes_them():
+    """The expansion computes a scale's table entry when every index of the warp's rows is at
+    least the first normal one: there it must be the table's (RNE) entry, and one index lower it
+    must not be (the threshold is where e4m3 turns subnormal, not an arbitrary cut)."""
+    entry, first = kernel_entry()
+    for index in range(first, wl.FP4_NUM_SCALES):
+        assert entry(index) == table_entry(index), index
+    assert entry(first - 1) != table_entry(first - 1)
 
 
 def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
@@ -155,7 +186,7 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     expand = kernel_expand_word()
     tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
     # the run whose scale index a word takes, as fp4_expand picks it (L2: permuted K columns)
-    assert "even_run = is_l2 ? run & 2u : run, odd_run = is_l2 ? (run & 2u) + 1 : run;" in CONSUMER
+    assert "even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);" in CONSUMER
     data = stage[: 256 * 64].view(256, 64)
     idx = stage[256 * 64 :].view(256, 4)
     out = torch.empty(256, 128, dtype=torch.uint8)

@@ -116,6 +116,10 @@ constexpr uint32_t kFp4DataBytes = kBlockN * kFp4RowBytes;
 static_assert(kFp4StageBytes == kFp4DataBytes + kBlockN * (kBlockK / 32), "MXFP4 stage: see contract.py");
 constexpr uint32_t kFp4NumScales = 32;
 constexpr int32_t kFp4ScaleBias = 25;
+// Scale indices from which every e2m1 magnitude times 2^(index - kFp4ScaleBias) is a normal e4m3
+// value: the expansion computes those table entries (fp4_entry), and reads the rest (rounded
+// subnormals, flushes) from the table in shared memory.
+constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
 static_assert(!kWeightFp4 || (kBlockM == 64 && kClusterM == 1),
               "MXFP4 weights: block_m 64 without clusters (each consumer warpgroup expands the B half it reads)");
 

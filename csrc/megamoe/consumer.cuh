@@ -31,48 +31,89 @@ __device__ __forceinline__ void fp4_fill_table(Storage& ss, uint32_t consumer_th
     }
 }
 
-// Eight e2m1 codes (a word, the lower K index in the low nibble) -> eight e4m3 bytes: the
-// magnitudes by byte permutes of the scale's table entry, the signs (bit 3 of each nibble)
-// moved to bit 7 of their bytes: even nibbles' signs land there after a 4-bit shift, odd ones
-// are there already, and two more permutes put them in nibble order.  (Every selector keeps bit
-// 3 of its nibbles clear: prmt would replicate a sign there instead.)
+// Eight e2m1 codes (a word as weight_layout.fp4_words packs them: nibble k holds code k's
+// magnitude in bits 0-2 and one code's sign in bit 3, codes 0-3's at bits 7, 15, 23, 31, codes
+// 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes: the magnitudes by byte permutes of the scale's
+// table entry (each selector's nibbles with bit 3 clear: prmt would replicate a sign there), the
+// signs ORed in at bit 7 of their bytes as they lie or after a 4-bit shift.  Seven instructions;
+// the mask is opaque to the compiler, which would otherwise narrow it into one mask per half.
 __device__ __forceinline__ void fp4_expand_word(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
-    const uint32_t mag = w & 0x77777777u;
-    const uint32_t shifted = w << 4;
-    lo = __byte_perm(lut.x, lut.y, mag) | (__byte_perm(shifted, w, 0x5140) & 0x80808080u);
-    hi = __byte_perm(lut.x, lut.y, mag >> 16) | (__byte_perm(shifted, w, 0x7362) & 0x80808080u);
+    uint32_t mag;
+    asm("and.b32 %0, %1, 0x77777777;" : "=r"(mag) : "r"(w));
+    lo = __byte_perm(lut.x, lut.y, mag) | (w & 0x80808080u);
+    hi = __byte_perm(lut.x, lut.y, mag >> 16) | ((w << 4) & 0x80808080u);
 }
 
-// Expand B half `half` (128 rows) of the stage's MXFP4 tile into the e4m3 tile `dst` in the
-// 128B-swizzled layout TMA would have written (16-byte unit u of row r at unit u ^ (r % 8)).
-// Lane l takes 32-wide run l % 4 of rows l / 4 + 8 j: a warp reads 512 contiguous bytes and its
-// stores cover every bank group evenly.  L2's K columns are permuted inside 64-column groups
-// (transform_weights_for_mega_moe): the words of run c hold channels of the group's runs
-// 2 (c / 2) and 2 (c / 2) + 1 alternately.
+// The table entry of a scale index from kFp4FirstNormalIndex up, computed: the e4m3 bytes of the
+// magnitudes {0, 0.5, 1, 1.5 | 2, 3, 4, 6} with d = index - kFp4ScaleBias added to the exponent
+// field (bits 3-6) of every nonzero byte.  No byte carries into the next: the smallest nonzero
+// byte (0.5: 0x30) stays positive down to d = -5, and the largest (6: 0x4c) reaches 0x7c (384)
+// at d = 6, below NaN (0x7f).  Two IMADs instead of a dependent shared-memory load.
+constexpr uint32_t kE2m1AsE4m3Lo = 0x3c383000u, kE2m1AsE4m3Hi = 0x4c484440u;
+constexpr uint32_t kFp4EntryStepLo = 0x08080800u, kFp4EntryStepHi = 0x08080808u;  // d = 1 (byte 0: code 0 stays 0)
+__device__ __forceinline__ uint2 fp4_entry(uint32_t index) {
+    // base + (index - bias) * step, modulo 2^32 (a negative d subtracts), one IMAD a word
+    constexpr uint32_t kBias = static_cast<uint32_t>(kFp4ScaleBias);
+    return make_uint2(index * kFp4EntryStepLo + (kE2m1AsE4m3Lo - kBias * kFp4EntryStepLo),
+                      index * kFp4EntryStepHi + (kE2m1AsE4m3Hi - kBias * kFp4EntryStepHi));
+}
+
+// Four rows of the thread (first_row + 8 j) into the e4m3 tile `dst`, in the 128B-swizzled layout
+// TMA would have written (16-byte unit u of row r at unit u ^ (r % 8)).  The rows' code loads go
+// out together before any use, so one warp keeps four in flight.  kTable: the entries from the
+// table (some index of the warp's rows is below kFp4FirstNormalIndex), else computed.
+template <bool kTable, typename Storage>
+__device__ __forceinline__ void fp4_expand_rows(const Storage& ss, const uint8_t* raw, uint8_t* dst, uint32_t first_row,
+                                                const uint32_t (&indices)[4], uint32_t even_shift, uint32_t odd_shift,
+                                                uint32_t run) {
+    if constexpr (kWeightFp4) {
+        uint4 w[4];
+        #pragma unroll
+        for (uint32_t j = 0; j < 4; ++j)
+            w[j] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + run * 16));
+        #pragma unroll
+        for (uint32_t j = 0; j < 4; ++j) {
+            const uint32_t row = first_row + 8 * j;
+            const uint32_t i0 = (indices[j] >> even_shift) & 0xffu, i1 = (indices[j] >> odd_shift) & 0xffu;
+            const uint2 lut0 = kTable ? ptx::ld_shared_v2_u32(&ss.fp4_table[i0]) : fp4_entry(i0);
+            const uint2 lut1 = kTable ? ptx::ld_shared_v2_u32(&ss.fp4_table[i1]) : fp4_entry(i1);
+            uint32_t o[8];
+            fp4_expand_word(w[j].x, lut0, o[0], o[1]);
+            fp4_expand_word(w[j].y, lut1, o[2], o[3]);
+            fp4_expand_word(w[j].z, lut0, o[4], o[5]);
+            fp4_expand_word(w[j].w, lut1, o[6], o[7]);
+            uint8_t* dst_row = dst + row * kBlockK;
+            const uint32_t swizzle = row % 8;
+            ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, o[0], o[1], o[2], o[3]);
+            ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, o[4], o[5], o[6], o[7]);
+        }
+    }
+}
+
+// Expand B half `half` (128 rows) of the stage's MXFP4 tile into the e4m3 tile `dst`.  Lane l
+// takes 32-wide run l % 4 of rows 128 half + 32 warp + 8 j + l / 4: a warp reads 512 contiguous
+// bytes at a time and its stores cover every bank group evenly.  L2's K columns are permuted
+// inside 64-column groups (transform_weights_for_mega_moe): the words of run c hold channels of
+// the group's runs 2 (c / 2) and 2 (c / 2) + 1 alternately.
 template <typename Storage>
 __device__ __forceinline__ void fp4_expand(const Storage& ss, uint32_t stage, uint8_t* dst, uint32_t half, bool is_l2,
                                            uint32_t tid) {
     if constexpr (kWeightFp4) {
         const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
         const uint8_t* raw = ss.b_raw[stage];
+        const uint32_t even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);
+        const uint32_t first_row = 128 * half + 32 * warp + lane / 4;
+        uint32_t indices[4];
+        uint32_t low = 0;
         #pragma unroll
         for (uint32_t j = 0; j < 4; ++j) {
-            const uint32_t row = half * 128 + warp * 32 + j * 8 + lane / 4;
-            const uint4 w = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * kFp4RowBytes + run * 16));
-            const uint32_t indices = ptx::ld_shared_u32(raw + kFp4DataBytes + row * 4);
-            const uint32_t even_run = is_l2 ? run & 2u : run, odd_run = is_l2 ? (run & 2u) + 1 : run;
-            const uint2 lut0 = ptx::ld_shared_v2_u32(&ss.fp4_table[(indices >> (8 * even_run)) & 0xffu]);
-            const uint2 lut1 = ptx::ld_shared_v2_u32(&ss.fp4_table[(indices >> (8 * odd_run)) & 0xffu]);
-            uint32_t o[8];
-            fp4_expand_word(w.x, lut0, o[0], o[1]);
-            fp4_expand_word(w.y, lut1, o[2], o[3]);
-            fp4_expand_word(w.z, lut0, o[4], o[5]);
-            fp4_expand_word(w.w, lut1, o[6], o[7]);
-            uint8_t* dst_row = dst + row * kBlockK;
-            const uint32_t swizzle = row % 8;
-            ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, o[0], o[1], o[2], o[3]);
-            ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, o[4], o[5], o[6], o[7]);
+            indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + (first_row + 8 * j) * 4);
+            low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
         }
+        if (__any_sync(0xffffffffu, low != 0))
+            fp4_expand_rows<true>(ss, raw, dst, first_row, indices, even_shift, odd_shift, run);
+        else
+            fp4_expand_rows<false>(ss, raw, dst, first_row, indices, even_shift, odd_shift, run);
     }
 }
 
