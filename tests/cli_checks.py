@@ -58,8 +58,18 @@ def processes_mentioning(text):
     return found
 
 
+def interruptible():
+    """preexec_fn: SIGINT and SIGHUP back to their defaults in the child.  A test run started in
+    the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and one under
+    `nohup` SIGHUP; the CLI leaves an ignored signal ignored (as a command run under nohup should),
+    so a signal sent by the test would be lost and the child never stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def interrupt(proc, sig, timeout):
-    """Send ``sig`` to a CLI process started in a session of its own: it must exit with 128 + the
+    """Send ``sig`` to a CLI process started in a session of its own (``preexec_fn=interruptible``,
+    so that it can receive the signal however the test run was started): it must exit with 128 + the
     signal within ``timeout`` seconds, its last stderr line ``error: interrupted by <SIG>``.  Its
     process group is killed if it is still there; returns its stderr."""
     try:

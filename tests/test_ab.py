@@ -15,7 +15,7 @@ import pytest
 
 from megamoe_cli.bench import ab as lib
 from megamoe_cli.errors import MegaMoEError
-from cli_checks import assert_one_line_error, interrupt, run_cli
+from cli_checks import assert_one_line_error, interrupt, interruptible, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,7 +220,7 @@ def test_a_stop_signal_stops_the_running_arm_and_exits_with_128_plus_it(tmp_path
     proc = subprocess.Popen([sys.executable, "-c", code, "ab", "--base", str(base), "--preset", "small",
                              "--tokens", "16", "--logs", str(tmp_path / "logs")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 60
         while not started.exists():

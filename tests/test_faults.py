@@ -46,7 +46,7 @@ from megamoe_cli.kernel_source import (
 )
 from megamoe_cli.layout import PRESETS, BufferConfig, MoEShape, build_layout
 from megamoe_cli.problem import make_expert_weights
-from cli_checks import CRASH_ENV, HANG_ENV, fault_env, interrupt, processes_mentioning
+from cli_checks import CRASH_ENV, HANG_ENV, fault_env, interrupt, interruptible, processes_mentioning
 
 REPO = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
@@ -578,15 +578,6 @@ while True:
     print(generation, flush=True)
     generation += 1
 """
-
-
-def interruptible():
-    """preexec_fn: SIGINT and SIGHUP back to their defaults in the child.  A test run started in
-    the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and one under
-    `nohup` SIGHUP; the CLI leaves an ignored signal ignored (as a command run under nohup should),
-    so a signal sent by the test would be lost and the child never stop."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def start_writer(path, generation):

@@ -18,7 +18,7 @@ from megamoe_cli.bench.sweep import sweep_from_flags
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.gpus import gpu_spec
 from megamoe_cli.layout import PRESETS
-from cli_checks import assert_one_line_error, interrupt, run_cli
+from cli_checks import assert_one_line_error, interrupt, interruptible, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -413,7 +413,7 @@ def test_a_stop_signal_ends_every_rank_of_a_profile_run(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-c", PROFILE_ON_CPU, "profile", "--preset", "small", "--tokens", "16,32",
                              "--iters", "2", "--warmup", "0", "--point-timeout", "120"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 120
         while True:

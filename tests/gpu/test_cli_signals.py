@@ -14,7 +14,7 @@ import torch
 from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import worker_pids
 from megamoe_cli.bench.results import read_results
-from cli_checks import HANG_ENV, fault_env, interrupt, processes_mentioning
+from cli_checks import HANG_ENV, fault_env, interrupt, interruptible, processes_mentioning
 
 pytestmark = pytest.mark.gpu
 
@@ -41,6 +41,7 @@ def test_a_stop_signal_ends_every_gpu_rank_and_keeps_the_rows(tmp_path, sig):
         [sys.executable, "-m", "megamoe_cli", "bench", "--preset", "small", "--tokens", "64,128",
          "--backend", "fused", "--warmup", "1", "--iters", "3", "--point-timeout", "300", "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=interruptible,
     )
     try:
         deadline = time.monotonic() + 600
