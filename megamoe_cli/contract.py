@@ -146,6 +146,9 @@ class ProfileSlot(IntEnum):
     DISPATCH_COUNT = 23
     DISPATCH_EXCHANGE = 24
     MAINLOOP_HEAD_L2 = 25
+    MMA_WAIT = 26
+    FP4_EXPAND = 27
+    FP4_EXPAND_BARRIER = 28
 
 
 PROFILE_SLOT_DOCS: Dict[ProfileSlot, str] = {
@@ -167,6 +170,9 @@ PROFILE_SLOT_DOCS: Dict[ProfileSlot, str] = {
     ProfileSlot.DISPATCH_COUNT: "dispatch: count phase (its atomics and stores issued)",
     ProfileSlot.DISPATCH_EXCHANGE: "dispatch: count exchange (fence, adds, wait for every CTA)",
     ProfileSlot.MAINLOOP_HEAD_L2: "consumer: the first two K blocks of L2 tiles (part of MAINLOOP_HEAD)",
+    ProfileSlot.MMA_WAIT: "consumer, MXFP4 builds: waiting for its WGMMAs in the k loop (part of MAINLOOP)",
+    ProfileSlot.FP4_EXPAND: "consumer, MXFP4: expanding its B half to e4m3 (part of MAINLOOP)",
+    ProfileSlot.FP4_EXPAND_BARRIER: "consumer, MXFP4: the warpgroup barrier after the expansion (part of MAINLOOP)",
 }
 PROFILE_CAPACITY = 32  # words of megamoe_profile
 PROFILE_SLOTS: Tuple[str, ...] = tuple(slot.name.lower() for slot in ProfileSlot)
@@ -294,7 +300,7 @@ def smem_budget(num_experts: int, num_ranks: int, block_m: int, num_stages: int,
         "schedule": 4 * (e_local + 2 * (e_local + 1) + e_local * (num_ranks + 1)) + 8 + 8,
         "send_count": 4 * num_experts,
         # Reserved in every build, so a profiling build launches with the release build's size.
-        "prof": 3 * 13 * 8,
+        "prof": 3 * 16 * 8,
         "publish_slot, publish_taken, member padding": 256,
         "base alignment": SMEM_ALIGN_BYTES,
     }

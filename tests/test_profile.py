@@ -102,6 +102,18 @@ def test_the_cycle_breakdown_is_per_warpgroup_and_per_cta_and_per_k_block():
     assert empty["per_k_block"]["l1"] is None and empty["consumer"]["total"] == 0
 
 
+def test_the_mxfp4_counters_are_shown_only_when_the_build_counted_them():
+    from megamoe_cli.cli.profile import cycle_text
+
+    fp8 = cycle_text(lib.cycle_breakdown(counters(), hidden=512, intermediate=256), "fp8")
+    assert "MXFP4" not in fp8
+    c = {**counters(), "fp4_expand": 800, "fp4_expand_barrier": 200, "mma_wait": 400}
+    b = lib.cycle_breakdown(c, hidden=512, intermediate=256)
+    assert (b["consumer"]["fp4_expand"], b["consumer"]["fp4_expand_barrier"], b["consumer"]["mma_wait"]) == (200, 50, 100)
+    line = [l for l in cycle_text(b, "fp4").splitlines() if "MXFP4" in l]
+    assert line == ["        of it (MXFP4): expansion 200 =  20.0%, its barrier 50 =   5.0%, WGMMA waits 100 =  10.0%"]
+
+
 def test_the_slowest_rank_counts_and_the_metrics_and_floors_come_from_the_model():
     shape = PRESETS["small"]
     counts = [[2] * 8, [1] * 8]  # rank 0 sends 2 pairs to every expert, rank 1 one

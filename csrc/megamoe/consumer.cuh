@@ -181,8 +181,9 @@ __device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, 
 // the struct is empty and the MEGAMOE_PROF lines that read it compile to nothing, so the hot path
 // has one signature for both and release builds spend no register or instruction on it.
 // ss.prof[wg]: slots 0-6 count ProfileSlot 0-6 and are summed into megamoe_profile at the end of
-// consumer_loop; 10-12 count MAINLOOP_L1, MAINLOOP_HEAD, MAINLOOP_HEAD_L2; 7-9 hold timestamps (the
-// L1 epilogue's release, the current tile's or phase's start, consumer_loop's start).
+// consumer_loop; 10-15 count MAINLOOP_L1, MAINLOOP_HEAD, MAINLOOP_HEAD_L2, MMA_WAIT, FP4_EXPAND,
+// FP4_EXPAND_BARRIER; 7-9 hold timestamps (the L1 epilogue's release, the current tile's or phase's
+// start, consumer_loop's start).
 struct ConsumerProfile {
 #ifdef MEGAMOE_PROFILE
     bool sampler;        // this thread samples (its warpgroup's first)
@@ -382,12 +383,15 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         const uint32_t b_tile = kWeightFp4 ? it_uniform & 1 : stage;
         if constexpr (kWeightFp4) {
             static_assert(Slice::kSplitColumns, "MXFP4: each warpgroup expands only the B half it reads");
+            MEGAMOE_PROF(const uint64_t prof_t3 = clock64();)
             fp4_expand(ss, stage, ss.b[b_tile], slice.half(0), tile.is_l2, tid);
             ptx::fence_proxy_async_shared();  // the WGMMAs read the e4m3 tile through the async proxy
+            MEGAMOE_PROF(const uint64_t prof_t4 = clock64(); if (prof.sampler) prof_c[14] += prof_t4 - prof_t3;)
             if (wg)
                 ptx::named_bar_sync(kBarExpand + 1, 128);
             else
                 ptx::named_bar_sync(kBarExpand, 128);
+            MEGAMOE_PROF(if (prof.sampler) prof_c[15] += clock64() - prof_t4;)
         }
         const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
         const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
@@ -409,10 +413,13 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
             for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
                 ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
             ptx::wgmma_commit();
+            // (MXFP4 builds only: in FP8 ones the timestamp's registers make the loop spill)
+            MEGAMOE_PROF(const uint64_t prof_t5 = kWeightFp4 ? clock64() : 0;)
             ptx::wgmma_wait<0>();
             #pragma unroll
             for (uint32_t i = 0; i < 64; ++i)
                 ptx::warpgroup_fence_operand(part[i]);
+            MEGAMOE_PROF(if (kWeightFp4 && prof.sampler) prof_c[13] += clock64() - prof_t5;)
             if (h == Slice::kHalves - 1 && lane == 0)
                 release_stage(ss, stage);
 
@@ -454,7 +461,8 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
     MEGAMOE_PROF(uint64_t* prof_c = prof.counters;
-                 if (prof.sampler) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0; prof_c[10] = prof_c[11] = prof_c[12] = 0;
+                 if (prof.sampler) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0;
+                                     for (uint32_t i = 10; i < 16; ++i) prof_c[i] = 0;
                                      prof_c[9] = clock64(); })
     while (true) {
         // The first stage of a tile says which tile it is (or that none is left).
@@ -494,6 +502,9 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         MEGAMOE_PROF_ADD(kProfMainloopL1, prof_c[10]);
         MEGAMOE_PROF_ADD(kProfMainloopHead, prof_c[11]);
         MEGAMOE_PROF_ADD(kProfMainloopHeadL2, prof_c[12]);
+        MEGAMOE_PROF_ADD(kProfMmaWait, prof_c[13]);
+        MEGAMOE_PROF_ADD(kProfFp4Expand, prof_c[14]);
+        MEGAMOE_PROF_ADD(kProfFp4ExpandBarrier, prof_c[15]);
         MEGAMOE_PROF_ADD(kProfConsumerLoop, clock64() - prof_c[9]);
     })
     return kConsumerOk;

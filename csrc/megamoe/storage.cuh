@@ -41,7 +41,7 @@ struct SharedStorage : std::conditional<kWeightFp4, Fp4Storage, NoFp4Storage>::t
     Schedule schedule;
     // Pairs per expert of a call small enough for CTA 0 to count alone (dispatch_count)
     uint32_t send_count[kNumExperts];
-    MEGAMOE_PROF(uint64_t prof[3][13];)  // per consumer warpgroup (slots 0-6, 10-12), then the producer
+    MEGAMOE_PROF(uint64_t prof[3][16];)  // per consumer warpgroup (slots 0-6, 10-15), then the producer
 };
 
 }  // namespace megamoe

@@ -239,7 +239,8 @@ def cycle_breakdown(counters: Mapping[str, int], hidden: int, intermediate: int)
         ("mainloop", "mainloop"), ("stage_wait", "stage_wait"), ("epilogue_l1", "epilogue_l1"),
         ("epilogue_l1_math", "epilogue_l1_math"), ("epilogue_l1_release", "epilogue_l1_release"),
         ("epilogue_l2", "epilogue_l2"), ("combine_barrier", "combine_barrier"), ("reduce", "reduce"),
-        ("tiles_l1", "tiles_l1"), ("tiles_l2", "tiles_l2"))}
+        ("tiles_l1", "tiles_l1"), ("tiles_l2", "tiles_l2"), ("mma_wait", "mma_wait"),
+        ("fp4_expand", "fp4_expand"), ("fp4_expand_barrier", "fp4_expand_barrier"))}
     return {
         "consumer_warpgroups": n,
         "consumer": consumer,
