@@ -100,6 +100,9 @@ def test_the_cycle_breakdown_is_per_warpgroup_and_per_cta_and_per_k_block():
     assert b["dispatch"]["pull"] == 250
     empty = lib.cycle_breakdown({}, hidden=512, intermediate=256)
     assert empty["per_k_block"]["l1"] is None and empty["consumer"]["total"] == 0
+    # over all 8 x 4 + 4 x 2 = 40 K blocks: the main loop's 2400 cycles and its stage waits' 800
+    assert b["per_k_block"]["all"] == 60 and b["per_k_block"]["stage_wait"] == 20
+    assert b["per_k_block"]["fp4_expand"] == 0 and empty["per_k_block"]["all"] is None
 
 
 def test_the_mxfp4_counters_are_shown_only_when_the_build_counted_them():
@@ -110,8 +113,14 @@ def test_the_mxfp4_counters_are_shown_only_when_the_build_counted_them():
     c = {**counters(), "fp4_expand": 800, "fp4_expand_barrier": 200, "mma_wait": 400}
     b = lib.cycle_breakdown(c, hidden=512, intermediate=256)
     assert (b["consumer"]["fp4_expand"], b["consumer"]["fp4_expand_barrier"], b["consumer"]["mma_wait"]) == (200, 50, 100)
-    line = [l for l in cycle_text(b, "fp4").splitlines() if "MXFP4" in l]
-    assert line == ["        of it (MXFP4): expansion 200 =  20.0%, its barrier 50 =   5.0%, WGMMA waits 100 =  10.0%"]
+    lines = cycle_text(b, "fp4").splitlines()
+    at = [i for i, l in enumerate(lines) if "MXFP4" in l]
+    assert [lines[i] for i in at] == [
+        "        of it (MXFP4): expansion 200 =  20.0%, its barrier 50 =   5.0%, WGMMA waits 100 =  10.0%"]
+    # the same counters over the 40 K blocks (8 L1 tiles x 4, 4 L2 tiles x 2)
+    assert lines[at[0] + 1] == ("        a K block of both layers: 60 cycles, of it the expansion 20 cycles, its "
+                                "barrier 5 cycles, WGMMA waits 10 cycles, stage waits 20 cycles")
+    assert "a K block of both layers" not in fp8
 
 
 def test_the_slowest_rank_counts_and_the_metrics_and_floors_come_from_the_model():

@@ -223,7 +223,9 @@ def cycle_breakdown(counters: Mapping[str, int], hidden: int, intermediate: int)
     """The profiling build's counters (summed over CTAs and calls) as means per consumer
     warpgroup and per CTA: where the consumers, the producer and the dispatch warps spent their
     cycles, and the main loop's cycles per K block (``hidden / 128`` blocks per L1 tile,
-    ``intermediate / 128`` per L2 tile)."""
+    ``intermediate / 128`` per L2 tile): per layer, a tile's first two, and over all K blocks the
+    whole loop and the parts counted inside it (stage waits; MXFP4 builds: WGMMA waits, the
+    expansion and its barrier)."""
     c = dict(counters)
     n = max(int(c.get("samplers", 0)), 1)  # consumer warpgroups sampled
     ctas = max(n // 2, 1)
@@ -234,6 +236,8 @@ def cycle_breakdown(counters: Mapping[str, int], hidden: int, intermediate: int)
 
     tiles_l1, tiles_l2 = c.get("tiles_l1", 0), c.get("tiles_l2", 0)
     head_l2 = c.get("mainloop_head_l2", 0)
+    # every K block of both layers: the denominator of the main loop's parts (counted in all of them)
+    blocks = tiles_l1 * (hidden // 128) + tiles_l2 * (intermediate // 128)
     consumer = {name: c.get(slot, 0) / n for name, slot in (
         ("total", "consumer_total"), ("start", "consumer_start"), ("tile_first_stage_wait", "tile_wait"),
         ("mainloop", "mainloop"), ("stage_wait", "stage_wait"), ("epilogue_l1", "epilogue_l1"),
@@ -250,6 +254,9 @@ def cycle_breakdown(counters: Mapping[str, int], hidden: int, intermediate: int)
             "first_two": per_k_block(c.get("mainloop_head", 0), tiles_l1 + tiles_l2, 2),
             "first_two_l1": per_k_block(c.get("mainloop_head", 0) - head_l2, tiles_l1, 2),
             "first_two_l2": per_k_block(head_l2, tiles_l2, 2),
+            "all": per_k_block(c.get("mainloop", 0), blocks, 1),
+            **{name: per_k_block(c.get(name, 0), blocks, 1)
+               for name in ("stage_wait", "mma_wait", "fp4_expand", "fp4_expand_barrier")},
         },
         "producer": {name: c.get(slot, 0) / ctas for name, slot in (
             ("arrival_waits", "producer_arrival"), ("empty_waits", "producer_empty"), ("loop", "producer_total"))},

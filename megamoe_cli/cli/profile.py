@@ -182,7 +182,10 @@ def cycle_text(b, label: str, rank=None) -> str:
         f"{kb(k['first_two'])} (L1 {kb(k['first_two_l1'])}, L2 {kb(k['first_two_l2'])})",
         *([f"        of it (MXFP4): expansion {c['fp4_expand']:.0f} = {share(c['fp4_expand'])}, its barrier "
            f"{c['fp4_expand_barrier']:.0f} = {share(c['fp4_expand_barrier'])}, WGMMA waits {c['mma_wait']:.0f} = "
-           f"{share(c['mma_wait'])}"] if c["fp4_expand"] else []),
+           f"{share(c['mma_wait'])}",
+           f"        a K block of both layers: {kb(k['all'])}, of it the expansion {kb(k['fp4_expand'])}, its barrier "
+           f"{kb(k['fp4_expand_barrier'])}, WGMMA waits {kb(k['mma_wait'])}, stage waits {kb(k['stage_wait'])}"]
+          if c["fp4_expand"] else []),
         f"      epilogue L1           {c['epilogue_l1']:12.0f} {share(c['epilogue_l1'])}  over {c['tiles_l1']:.1f} tiles "
         f"(math+stores {c['epilogue_l1_math']:.0f}, fence+barrier+release {c['epilogue_l1_release']:.0f})",
         f"      epilogue L2           {c['epilogue_l2']:12.0f} {share(c['epilogue_l2'])}  over {c['tiles_l2']:.1f} tiles",
