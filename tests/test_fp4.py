@@ -1,5 +1,5 @@
 """MXFP4 expert weights (SPEC §2b) on the CPU: quantization, the kernel's weight layout and its
-on-chip expansion to e4m3, emulated bit for bit from the constants in csrc/megamoe/consumer.cuh, the
+on-chip expansion to e4m3, emulated bit for bit from the constants in csrc/megamoe/fp4.cuh, the
 SwiGLU clamp in the reference, and the errors bad weights get before any launch."""
 
 import math
@@ -26,7 +26,7 @@ from megamoe_cli.quant import (
 )
 from megamoe_cli.reference import moe_reference, moe_reference_distributed, moe_reference_loop
 
-CONSUMER = (csrc_dir() / "megamoe" / "consumer.cuh").read_text()
+FP4_SOURCE = (csrc_dir() / "megamoe" / "fp4.cuh").read_text()
 SMALL_FP4 = MoEShape(hidden=512, intermediate=256, num_experts=8, num_topk=2, weights="fp4")
 
 
@@ -99,9 +99,9 @@ def byte_perm(x: int, y: int, s: int) -> int:
 
 
 def kernel_expand_word():
-    """fp4_expand_word as consumer.cuh writes it: its mask, shift and sign masks are read from the
+    """fp4_expand_word as fp4.cuh writes it: its mask, shift and sign masks are read from the
     source, so this emulation follows the kernel (a changed constant changes both)."""
-    body = CONSUMER[CONSUMER.index("void fp4_expand_word"):]
+    body = FP4_SOURCE[FP4_SOURCE.index("void fp4_expand_word"):]
     body = body[: body.index("\n}\n")]
     mask = int(re.search(r"and\.b32 %0, %1, (0x[0-9a-fA-F]+);", body).group(1), 16)
     lo_sign = int(re.search(r"lo = __byte_perm\(lut\.x, lut\.y, mag\) \| \(w & (0x[0-9a-fA-F]+)u\);", body).group(1), 16)
@@ -131,9 +131,8 @@ def table_entry(index: int) -> tuple:
 
 
 def test_bias_and_table_size_match_the_kernel():
-    common = (csrc_dir() / "megamoe" / "common.cuh").read_text()
-    assert int(re.search(r"kFp4ScaleBias = (\d+);", common).group(1)) == wl.FP4_SCALE_BIAS
-    assert int(re.search(r"kFp4NumScales = (\d+);", common).group(1)) == wl.FP4_NUM_SCALES
+    assert int(re.search(r"kFp4ScaleBias = (\d+);", FP4_SOURCE).group(1)) == wl.FP4_SCALE_BIAS
+    assert int(re.search(r"kFp4NumScales = (\d+);", FP4_SOURCE).group(1)) == wl.FP4_NUM_SCALES
     assert f"{wl.FP4_SCALE_BIAS} + {wl.FP4_MAX_REL_EXP} + 1" and wl.FP4_SCALE_BIAS + wl.FP4_MAX_REL_EXP + 1 == wl.FP4_NUM_SCALES
     assert FP4_STAGE_BYTES == 256 * (64 + 4)
 
@@ -153,14 +152,13 @@ def test_expand_word_gives_every_code_its_signed_value():
 
 
 def kernel_entry():
-    """fp4_entry as consumer.cuh writes it, and the first index the kernel computes entries from
-    (common.cuh's kFp4FirstNormalIndex), both read from the source."""
+    """fp4_entry as fp4.cuh writes it, and the first index the kernel computes entries from
+    (kFp4FirstNormalIndex), both read from the source."""
     const = {name: int(value, 16) for name, value in
-             re.findall(r"(kE2m1AsE4m3Lo|kE2m1AsE4m3Hi|kFp4EntryStepLo|kFp4EntryStepHi) = (0x[0-9a-fA-F]+)u", CONSUMER)}
+             re.findall(r"(kE2m1AsE4m3Lo|kE2m1AsE4m3Hi|kFp4EntryStepLo|kFp4EntryStepHi) = (0x[0-9a-fA-F]+)u", FP4_SOURCE)}
     assert len(const) == 4
-    common = (csrc_dir() / "megamoe" / "common.cuh").read_text()
-    first = wl.FP4_SCALE_BIAS - int(re.search(r"kFp4FirstNormalIndex = kFp4ScaleBias - (\d+);", common).group(1))
-    assert "__vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u)" in CONSUMER
+    first = wl.FP4_SCALE_BIAS - int(re.search(r"kFp4FirstNormalIndex = kFp4ScaleBias - (\d+);", FP4_SOURCE).group(1))
+    assert "__vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u)" in FP4_SOURCE
 
     def entry(index: int) -> tuple:
         d = index - wl.FP4_SCALE_BIAS
@@ -185,8 +183,8 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     logical (unswizzled) order, before the block scale."""
     expand = kernel_expand_word()
     tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
-    # the run whose scale index a word takes, as fp4_expand picks it (L2: permuted K columns)
-    assert "even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);" in CONSUMER
+    # the run whose scale index a word takes, as fp4_expand_half picks it (L2: permuted K columns)
+    assert "even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);" in FP4_SOURCE
     data = stage[: 256 * 64].view(256, 64)
     idx = stage[256 * 64 :].view(256, 4)
     out = torch.empty(256, 128, dtype=torch.uint8)

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "fp4.cuh"
 #include "ptx.cuh"
 
 #ifndef MEGAMOE_CONTRACT
@@ -103,23 +104,13 @@ constexpr uint32_t kDirectRowsPerSrc = (kBlockM == 64 && kClusterM == 1) ? kBloc
 
 // Expert weight format (SPEC §2b): FP8 e4m3 with 128x128 FP32 block scales, or MXFP4 (e2m1
 // codes, one scale per 32 along K), streamed at half the bytes and expanded to e4m3 in shared
-// memory by the consumer warpgroup that reads them (fp4_expand).  The MXFP4 stage as
-// megamoe_cli/weight_layout.py lays it out: 256 rows x 64 bytes of codes (low nibble first),
-// then 256 rows x 4 scale indices (each 32-wide run's exponent relative to its 128x128 block's
-// FP32 scale, biased by kFp4ScaleBias).
+// memory by the consumer warpgroup that reads them (fp4.cuh: the stage's layout and expansion).
 #ifndef MEGAMOE_WEIGHT_FP4
 #define MEGAMOE_WEIGHT_FP4 0u
 #endif
 constexpr bool kWeightFp4 = MEGAMOE_WEIGHT_FP4 != 0;
-constexpr uint32_t kFp4RowBytes = kBlockK / 2;
-constexpr uint32_t kFp4DataBytes = kBlockN * kFp4RowBytes;
+static_assert(kFp4StageRows == kBlockN && kFp4StageK == kBlockK, "MXFP4 stage: one B tile's K block (fp4.cuh)");
 static_assert(kFp4StageBytes == kFp4DataBytes + kBlockN * (kBlockK / 32), "MXFP4 stage: see contract.py");
-constexpr uint32_t kFp4NumScales = 32;
-constexpr int32_t kFp4ScaleBias = 25;
-// Scale indices from which every e2m1 magnitude times 2^(index - kFp4ScaleBias) is a normal e4m3
-// value: the expansion computes those table entries (fp4_entry), and reads the rest (rounded
-// subnormals, flushes) from the table in shared memory.
-constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
 static_assert(!kWeightFp4 || (kBlockM == 64 && kClusterM == 1),
               "MXFP4 weights: block_m 64 without clusters (each consumer warpgroup expands the B half it reads)");
 

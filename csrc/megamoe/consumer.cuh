@@ -10,111 +10,22 @@
 
 namespace megamoe {
 
-// MXFP4 expansion table: entry i holds the e4m3 bytes of the 8 e2m1 magnitudes times
-// 2^(i - kFp4ScaleBias), codes 0-3 in .x and 4-7 in .y, rounded to nearest even where e4m3 has
-// no exact value (subnormals, flushes to zero; see megamoe_cli/weight_layout.py).  Filled by the
-// first kFp4NumScales consumer threads before the schedule barrier, which orders it for all.
+// MXFP4 expansion table (fp4_table_entry), filled by the first kFp4NumScales consumer threads
+// before the schedule barrier, which orders it for all.
 template <typename Storage>  // a template, so FP8 builds (no Fp4Storage) discard the body unchecked
 __device__ __forceinline__ void fp4_fill_table(Storage& ss, uint32_t consumer_thread) {
     if constexpr (kWeightFp4) {
-        if (consumer_thread < kFp4NumScales) {
-            constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-            const float scale = __int_as_float((127 + static_cast<int32_t>(consumer_thread) - kFp4ScaleBias) << 23);
-            uint32_t word[2] = {0u, 0u};
-            #pragma unroll
-            for (uint32_t c = 0; c < 8; ++c) {
-                const uint32_t byte = __nv_cvt_float_to_fp8(kE2m1[c] * scale, __NV_SATFINITE, __NV_E4M3);
-                word[c / 4] |= byte << (8 * (c % 4));
-            }
-            ss.fp4_table[consumer_thread] = make_uint2(word[0], word[1]);
-        }
+        if (consumer_thread < kFp4NumScales)
+            ss.fp4_table[consumer_thread] = fp4_table_entry(consumer_thread);
     }
 }
 
-// Eight e2m1 codes (a word as weight_layout.fp4_words packs them: nibble k holds code k's
-// magnitude in bits 0-2 and one code's sign in bit 3, codes 0-3's at bits 7, 15, 23, 31, codes
-// 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes: the magnitudes by byte permutes of the scale's
-// table entry (each selector's nibbles with bit 3 clear: prmt would replicate a sign there), the
-// signs ORed in at bit 7 of their bytes as they lie or after a 4-bit shift.  Seven instructions;
-// the mask is opaque to the compiler, which would otherwise narrow it into one mask per half.
-__device__ __forceinline__ void fp4_expand_word(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
-    uint32_t mag;
-    asm("and.b32 %0, %1, 0x77777777;" : "=r"(mag) : "r"(w));
-    lo = __byte_perm(lut.x, lut.y, mag) | (w & 0x80808080u);
-    hi = __byte_perm(lut.x, lut.y, mag >> 16) | ((w << 4) & 0x80808080u);
-}
-
-// The table entry of a scale index from kFp4FirstNormalIndex up, computed: the e4m3 bytes of the
-// magnitudes {0, 0.5, 1, 1.5 | 2, 3, 4, 6} with d = index - kFp4ScaleBias added to the exponent
-// field (bits 3-6) of every nonzero byte.  No byte carries into the next: the smallest nonzero
-// byte (0.5: 0x30) stays positive down to d = -5, and the largest (6: 0x4c) reaches 0x7c (384)
-// at d = 6, below NaN (0x7f).  Two IMADs instead of a dependent shared-memory load.
-constexpr uint32_t kE2m1AsE4m3Lo = 0x3c383000u, kE2m1AsE4m3Hi = 0x4c484440u;
-constexpr uint32_t kFp4EntryStepLo = 0x08080800u, kFp4EntryStepHi = 0x08080808u;  // d = 1 (byte 0: code 0 stays 0)
-__device__ __forceinline__ uint2 fp4_entry(uint32_t index) {
-    // base + (index - bias) * step, modulo 2^32 (a negative d subtracts), one IMAD a word
-    constexpr uint32_t kBias = static_cast<uint32_t>(kFp4ScaleBias);
-    return make_uint2(index * kFp4EntryStepLo + (kE2m1AsE4m3Lo - kBias * kFp4EntryStepLo),
-                      index * kFp4EntryStepHi + (kE2m1AsE4m3Hi - kBias * kFp4EntryStepHi));
-}
-
-// Four rows of the thread (first_row + 8 j) into the e4m3 tile `dst`, in the 128B-swizzled layout
-// TMA would have written (16-byte unit u of row r at unit u ^ (r % 8)).  The rows' code loads go
-// out together before any use, so one warp keeps four in flight.  kTable: the entries from the
-// table (some index of the warp's rows is below kFp4FirstNormalIndex), else computed.
-template <bool kTable, typename Storage>
-__device__ __forceinline__ void fp4_expand_rows(const Storage& ss, const uint8_t* raw, uint8_t* dst, uint32_t first_row,
-                                                const uint32_t (&indices)[4], uint32_t even_shift, uint32_t odd_shift,
-                                                uint32_t run) {
-    if constexpr (kWeightFp4) {
-        uint4 w[4];
-        #pragma unroll
-        for (uint32_t j = 0; j < 4; ++j)
-            w[j] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + run * 16));
-        #pragma unroll
-        for (uint32_t j = 0; j < 4; ++j) {
-            const uint32_t row = first_row + 8 * j;
-            const uint32_t i0 = (indices[j] >> even_shift) & 0xffu, i1 = (indices[j] >> odd_shift) & 0xffu;
-            const uint2 lut0 = kTable ? ptx::ld_shared_v2_u32(&ss.fp4_table[i0]) : fp4_entry(i0);
-            const uint2 lut1 = kTable ? ptx::ld_shared_v2_u32(&ss.fp4_table[i1]) : fp4_entry(i1);
-            uint32_t o[8];
-            fp4_expand_word(w[j].x, lut0, o[0], o[1]);
-            fp4_expand_word(w[j].y, lut1, o[2], o[3]);
-            fp4_expand_word(w[j].z, lut0, o[4], o[5]);
-            fp4_expand_word(w[j].w, lut1, o[6], o[7]);
-            uint8_t* dst_row = dst + row * kBlockK;
-            const uint32_t swizzle = row % 8;
-            ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, o[0], o[1], o[2], o[3]);
-            ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, o[4], o[5], o[6], o[7]);
-        }
-    }
-}
-
-// Expand B half `half` (128 rows) of the stage's MXFP4 tile into the e4m3 tile `dst`.  Lane l
-// takes 32-wide run l % 4 of rows 128 half + 32 warp + 8 j + l / 4: a warp reads 512 contiguous
-// bytes at a time and its stores cover every bank group evenly.  L2's K columns are permuted
-// inside 64-column groups (transform_weights_for_mega_moe): the words of run c hold channels of
-// the group's runs 2 (c / 2) and 2 (c / 2) + 1 alternately.
+// Expand B half `half` of stage `stage` into the e4m3 tile `dst` (fp4_expand_half, fp4.cuh).
 template <typename Storage>
 __device__ __forceinline__ void fp4_expand(const Storage& ss, uint32_t stage, uint8_t* dst, uint32_t half, bool is_l2,
                                            uint32_t tid) {
-    if constexpr (kWeightFp4) {
-        const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
-        const uint8_t* raw = ss.b_raw[stage];
-        const uint32_t even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);
-        const uint32_t first_row = 128 * half + 32 * warp + lane / 4;
-        uint32_t indices[4];
-        uint32_t low = 0;
-        #pragma unroll
-        for (uint32_t j = 0; j < 4; ++j) {
-            indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + (first_row + 8 * j) * 4);
-            low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
-        }
-        if (__any_sync(0xffffffffu, low != 0))
-            fp4_expand_rows<true>(ss, raw, dst, first_row, indices, even_shift, odd_shift, run);
-        else
-            fp4_expand_rows<false>(ss, raw, dst, first_row, indices, even_shift, odd_shift, run);
-    }
+    if constexpr (kWeightFp4)
+        fp4_expand_half(ss.b_raw[stage], ss.fp4_table, dst, half, is_l2, tid);
 }
 
 __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }

@@ -1,0 +1,124 @@
+// MXFP4 weights expanded to e4m3 on chip (SPEC §2b): the format's constants and the expansion of
+// one stored stage into the 128B-swizzled e4m3 tile that the FP8 WGMMAs read.  No kernel state:
+// the consumers (consumer.cuh) and the expansion microbenchmark (csrc/microbench/fp4_expand.cu)
+// run the same code.  The stage as megamoe_cli/weight_layout.py lays it out: kFp4StageRows rows x
+// kFp4RowBytes bytes of codes (words as weight_layout.fp4_words packs them), then kFp4StageRows
+// rows x 4 scale indices (each 32-wide run's exponent relative to its 128x128 block's FP32 scale,
+// biased by kFp4ScaleBias).
+#pragma once
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "ptx.cuh"
+
+namespace megamoe {
+
+constexpr uint32_t kFp4StageRows = 256;                 // the tile's N (the contract's BLOCK_N)
+constexpr uint32_t kFp4StageK = 128;                    // one K block (the contract's BLOCK_K)
+constexpr uint32_t kFp4RowBytes = kFp4StageK / 2;       // two codes a byte
+constexpr uint32_t kFp4DataBytes = kFp4StageRows * kFp4RowBytes;
+constexpr uint32_t kFp4NumScales = 32;
+constexpr int32_t kFp4ScaleBias = 25;
+// Scale indices from which every e2m1 magnitude times 2^(index - kFp4ScaleBias) is a normal e4m3
+// value: the expansion computes those table entries (fp4_entry), and reads the rest (rounded
+// subnormals, flushes) from the table in shared memory.
+constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
+
+// Table entry i: the e4m3 bytes of the 8 e2m1 magnitudes times 2^(i - kFp4ScaleBias), codes 0-3
+// in .x and 4-7 in .y, rounded to nearest even where e4m3 has no exact value (subnormals,
+// flushes to zero; see megamoe_cli/weight_layout.py).
+__device__ __forceinline__ uint2 fp4_table_entry(uint32_t index) {
+    constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float scale = __int_as_float((127 + static_cast<int32_t>(index) - kFp4ScaleBias) << 23);
+    uint32_t word[2] = {0u, 0u};
+    #pragma unroll
+    for (uint32_t c = 0; c < 8; ++c) {
+        const uint32_t byte = __nv_cvt_float_to_fp8(kE2m1[c] * scale, __NV_SATFINITE, __NV_E4M3);
+        word[c / 4] |= byte << (8 * (c % 4));
+    }
+    return make_uint2(word[0], word[1]);
+}
+
+// Eight e2m1 codes (a word as weight_layout.fp4_words packs them: nibble k holds code k's
+// magnitude in bits 0-2 and one code's sign in bit 3, codes 0-3's at bits 7, 15, 23, 31, codes
+// 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes: the magnitudes by byte permutes of the scale's
+// table entry (each selector's nibbles with bit 3 clear: prmt would replicate a sign there), the
+// signs ORed in at bit 7 of their bytes as they lie or after a 4-bit shift.  Seven instructions;
+// the mask is opaque to the compiler, which would otherwise narrow it into one mask per half.
+__device__ __forceinline__ void fp4_expand_word(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
+    uint32_t mag;
+    asm("and.b32 %0, %1, 0x77777777;" : "=r"(mag) : "r"(w));
+    lo = __byte_perm(lut.x, lut.y, mag) | (w & 0x80808080u);
+    hi = __byte_perm(lut.x, lut.y, mag >> 16) | ((w << 4) & 0x80808080u);
+}
+
+// The table entry of a scale index from kFp4FirstNormalIndex up, computed: the e4m3 bytes of the
+// magnitudes {0, 0.5, 1, 1.5 | 2, 3, 4, 6} with d = index - kFp4ScaleBias added to the exponent
+// field (bits 3-6) of every nonzero byte.  No byte carries into the next: the smallest nonzero
+// byte (0.5: 0x30) stays positive down to d = -5, and the largest (6: 0x4c) reaches 0x7c (384)
+// at d = 6, below NaN (0x7f).  Two IMADs instead of a dependent shared-memory load.
+constexpr uint32_t kE2m1AsE4m3Lo = 0x3c383000u, kE2m1AsE4m3Hi = 0x4c484440u;
+constexpr uint32_t kFp4EntryStepLo = 0x08080800u, kFp4EntryStepHi = 0x08080808u;  // d = 1 (byte 0: code 0 stays 0)
+__device__ __forceinline__ uint2 fp4_entry(uint32_t index) {
+    // base + (index - bias) * step, modulo 2^32 (a negative d subtracts), one IMAD a word
+    constexpr uint32_t kBias = static_cast<uint32_t>(kFp4ScaleBias);
+    return make_uint2(index * kFp4EntryStepLo + (kE2m1AsE4m3Lo - kBias * kFp4EntryStepLo),
+                      index * kFp4EntryStepHi + (kE2m1AsE4m3Hi - kBias * kFp4EntryStepHi));
+}
+
+// Four rows of the thread (first_row + 8 j) into the e4m3 tile `dst`, in the 128B-swizzled layout
+// TMA would have written (16-byte unit u of row r at unit u ^ (r % 8)).  The rows' code loads go
+// out together before any use, so one warp keeps four in flight.  kTable: the entries from
+// `table` (some index of the warp's rows is below kFp4FirstNormalIndex), else computed.
+template <bool kTable>
+__device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint8_t* raw, uint8_t* dst, uint32_t first_row,
+                                                const uint32_t (&indices)[4], uint32_t even_shift, uint32_t odd_shift,
+                                                uint32_t run) {
+    uint4 w[4];
+    #pragma unroll
+    for (uint32_t j = 0; j < 4; ++j)
+        w[j] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + run * 16));
+    #pragma unroll
+    for (uint32_t j = 0; j < 4; ++j) {
+        const uint32_t row = first_row + 8 * j;
+        const uint32_t i0 = (indices[j] >> even_shift) & 0xffu, i1 = (indices[j] >> odd_shift) & 0xffu;
+        const uint2 lut0 = kTable ? ptx::ld_shared_v2_u32(&table[i0]) : fp4_entry(i0);
+        const uint2 lut1 = kTable ? ptx::ld_shared_v2_u32(&table[i1]) : fp4_entry(i1);
+        uint32_t o[8];
+        fp4_expand_word(w[j].x, lut0, o[0], o[1]);
+        fp4_expand_word(w[j].y, lut1, o[2], o[3]);
+        fp4_expand_word(w[j].z, lut0, o[4], o[5]);
+        fp4_expand_word(w[j].w, lut1, o[6], o[7]);
+        uint8_t* dst_row = dst + row * kFp4StageK;
+        const uint32_t swizzle = row % 8;
+        ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, o[0], o[1], o[2], o[3]);
+        ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, o[4], o[5], o[6], o[7]);
+    }
+}
+
+// Expand half `half` (128 rows) of the stored stage `raw` into the e4m3 tile `dst` (kFp4StageRows
+// x kFp4StageK bytes), by the 128 threads of one warpgroup (`tid` % 128).  Lane l takes 32-wide
+// run l % 4 of rows 128 half + 32 warp + 8 j + l / 4: a warp reads 512 contiguous bytes at a time
+// and its stores cover every bank group evenly.  L2's K columns are permuted inside 64-column
+// groups (transform_weights_for_mega_moe): the words of run c hold channels of the group's runs
+// 2 (c / 2) and 2 (c / 2) + 1 alternately.  `table`: kFp4NumScales entries (fp4_table_entry).
+__device__ __forceinline__ void fp4_expand_half(const uint8_t* raw, const uint2* table, uint8_t* dst, uint32_t half,
+                                                bool is_l2, uint32_t tid) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
+    const uint32_t even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);
+    const uint32_t first_row = 128 * half + 32 * warp + lane / 4;
+    uint32_t indices[4];
+    uint32_t low = 0;
+    #pragma unroll
+    for (uint32_t j = 0; j < 4; ++j) {
+        indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + (first_row + 8 * j) * 4);
+        low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
+    }
+    if (__any_sync(0xffffffffu, low != 0))
+        fp4_expand_rows<true>(table, raw, dst, first_row, indices, even_shift, odd_shift, run);
+    else
+        fp4_expand_rows<false>(table, raw, dst, first_row, indices, even_shift, odd_shift, run);
+}
+
+}  // namespace megamoe
