@@ -180,22 +180,23 @@ def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch
         assert not kernel.report.serialized_wgmma, f"{name}: {kernel.report.serialized_wgmma}"
 
 
-def test_the_mainloop_microbenchmark_compiles_without_spills_or_serialized_wgmma(tmp_path):
+@pytest.mark.parametrize("name, min_modes", [("mainloop", 10), ("fp4_expand", 8)])
+def test_the_microbenchmarks_compile_without_spills_or_serialized_wgmma(tmp_path, name, min_modes):
     import subprocess
 
     from megamoe_cli.jit.build import PtxasReport, find_nvcc
 
-    source = csrc_dir() / "microbench" / "mainloop.cu"
+    source = csrc_dir() / "microbench" / f"{name}.cu"
     result = subprocess.run(
         [find_nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-         "-o", str(tmp_path / "mainloop.cubin"), str(source)],
+         "-o", str(tmp_path / f"{name}.cubin"), str(source)],
         capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     report = PtxasReport.parse(result.stderr + result.stdout)
-    kernels = [name for name, f in report.entries.items() if "mainloop_kernel" in name]
+    kernels = [k for k in report.entries if f"{name}_kernel" in k]
     names = re.search(r"kModeNames\[kNumModes\] = \{(.*?)\};", source.read_text(), re.S)
-    assert names, "kModeNames not found in mainloop.cu"
-    assert len(kernels) == names.group(1).count('"') // 2 >= 10, report.summary()  # one per mode
+    assert names, f"kModeNames not found in {name}.cu"
+    assert len(kernels) == names.group(1).count('"') // 2 >= min_modes, report.summary()  # one per mode
     assert not report.has_spills, report.summary()
     assert not report.serialized_wgmma, report.serialized_wgmma
 

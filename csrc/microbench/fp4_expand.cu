@@ -1,0 +1,321 @@
+// MXFP4 expansion microbenchmark: the fused kernel's consumer K loop with MXFP4 weights on data
+// that stays in shared memory (no HBM, no producer, no dispatch), to find what bounds the
+// expansion.  One CTA per SM, two consumer warpgroups (256 threads), each owning one 128-row half
+// of the 256-row B tile as block_m 64 does; the expansion is the kernel's own (fp4.cuh:
+// fp4_expand_half), the WGMMAs and the promotion those of consumer.cuh's run_tile.
+//
+// Modes (per K block of 128, per warpgroup):
+//   kernel         expand the half from stored stage kb % 4 into e4m3 tile kb % 2, proxy fence,
+//                  warpgroup barrier, 4 SS m64n128k32 on it, wait, 64-FFMA promotion: the kernel's loop
+//   mma            the same without the expansion, fence and barrier (the tiles already expanded)
+//   expand         the expansion, fence and barrier alone, in both warpgroups at once
+//   expand_alone   the same in warpgroup 1 only (warpgroup 2 idles): one warp per scheduler
+//   expand_vs_mma  warpgroup 1 runs `expand` while warpgroup 2 runs `mma` on its own tile: the
+//                  expansion beside the other warpgroup's WGMMAs and their shared-memory reads
+//   nofence        kernel without the proxy fence (the WGMMAs may read stale bytes: timing only)
+//   pipelined      kernel with K block kb + 1's expansion issued between kb's commit and wait
+//   ordered        kernel with the warpgroups' WGMMAs in turns (two named barriers): each
+//                  warpgroup expands while the other's WGMMAs run
+// Prints each mode's cycles per K block in either warpgroup (mean over the SMs; a warpgroup that
+// idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
+// normal (the computed table entries) unless --subnormal puts one in every fourth row.
+//
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o fp4_expand fp4_expand.cu
+// Run:   ./fp4_expand [--kblocks N] [--subnormal] [mode ...]          (scripts/fp4_expand.sh)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../megamoe/fp4.cuh"
+#include "../megamoe/ptx.cuh"
+
+namespace ptx = megamoe::ptx;
+using megamoe::kFp4DataBytes;
+using megamoe::kFp4NumScales;
+using megamoe::kFp4StageK;
+using megamoe::kFp4StageRows;
+
+#define CHECK(x)                                                                                    \
+    do {                                                                                            \
+        cudaError_t e_ = (x);                                                                       \
+        if (e_ != cudaSuccess) {                                                                    \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
+            exit(1);                                                                                \
+        }                                                                                           \
+    } while (0)
+
+enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kNumModes };
+static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
+                                            "nofence", "pipelined", "ordered"};
+
+constexpr uint32_t kStages = 4;
+constexpr uint32_t kStageBytes = kFp4DataBytes + kFp4StageRows * (kFp4StageK / 32);
+constexpr uint32_t kTileBytes = kFp4StageRows * kFp4StageK;  // e4m3
+constexpr uint32_t kABytes = 64 * kFp4StageK;
+constexpr uint32_t kWarmup = 16;  // K blocks before the timed ones
+// Named barriers (0 is __syncthreads): both warpgroups, each warpgroup's expansion, the turns
+constexpr uint32_t kBarBoth = 1, kBarExpand = 2, kBarTurn = 4;
+
+struct Smem {
+    uint8_t b[2][kTileBytes];  // first: 1024-byte aligned for the 128B swizzle
+    uint8_t a[kABytes];
+    uint8_t raw[kStages][kStageBytes];
+    uint2 table[kFp4NumScales];
+    float sfa[64];
+    float sfb[4];
+};
+
+struct Result {
+    unsigned long long cycles[2];  // summed over CTAs, per warpgroup
+    unsigned int ctas[2];
+    float sink;
+};
+
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+template <Mode kMode>
+__device__ __forceinline__ bool expands(uint32_t wg) {
+    if constexpr (kMode == kMma) return false;
+    if constexpr (kMode == kExpandAlone || kMode == kExpandVsMma) return wg == 0;
+    return true;
+}
+
+template <Mode kMode>
+__device__ __forceinline__ bool multiplies(uint32_t wg) {
+    if constexpr (kMode == kExpand || kMode == kExpandAlone) return false;
+    if constexpr (kMode == kExpandVsMma) return wg == 1;
+    return true;
+}
+
+__device__ __forceinline__ void expand_stage(Smem& s, uint32_t kb, uint32_t wg, uint32_t tid, bool fence) {
+    megamoe::fp4_expand_half(s.raw[kb % kStages], s.table, s.b[kb & 1], wg, false, tid);
+    if (fence)
+        ptx::fence_proxy_async_shared();
+}
+
+__device__ __forceinline__ void expand_barrier(uint32_t wg) { ptx::named_bar_sync(kBarExpand + wg, 128); }
+
+// 4 SS m64n128k32 of the warpgroup's B half of tile kb % 2 into `part`, committed, not waited for.
+__device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t wg, float (&part)[64]) {
+    const uint64_t desc_a = ptx::make_smem_desc_sw128(s.a);
+    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + wg * 128 * kFp4StageK);
+    #pragma unroll
+    for (uint32_t i = 0; i < 64; ++i)
+        ptx::warpgroup_fence_operand(part[i]);
+    ptx::wgmma_fence();
+    #pragma unroll
+    for (uint32_t k = 0; k < kFp4StageK / 32; ++k)
+        ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+    ptx::wgmma_commit();
+}
+
+// Wait for the warpgroup's WGMMAs, then promote as run_tile does: acc += part * sfa(row) * sfb(group).
+__device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, float (&part)[64], float (&acc)[64]) {
+    const uint32_t r0 = ((tid % 128) / 32) * 16 + (tid % 32) / 4;
+    const float sfa0 = ptx::ld_shared_f32(&s.sfa[r0]), sfa1 = ptx::ld_shared_f32(&s.sfa[r0 + 8]);
+    const float sfb_even = ptx::ld_shared_f32(&s.sfb[0]), sfb_odd = ptx::ld_shared_f32(&s.sfb[1]);
+    ptx::wgmma_wait<0>();
+    #pragma unroll
+    for (uint32_t i = 0; i < 64; ++i)
+        ptx::warpgroup_fence_operand(part[i]);
+    const float s00 = sfa0 * sfb_even, s01 = sfa0 * sfb_odd, s10 = sfa1 * sfb_even, s11 = sfa1 * sfb_odd;
+    #pragma unroll
+    for (uint32_t i = 0; i < 64; ++i) {
+        const bool odd_group = ((i / 4) % 2) == 1;
+        const bool second_row = ((i / 2) % 2) == 1;
+        const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
+        acc[i] = fmaf(part[i], scale, acc[i]);
+    }
+}
+
+// One K block of the mode in warpgroup wg (kb counts from 0 over warm-up and timed blocks).
+template <Mode kMode>
+__device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, uint32_t wg, uint32_t tid,
+                                        float (&part)[64], float (&acc)[64]) {
+    if constexpr (kMode == kPipelined) {
+        // tile kb % 2 was expanded by the previous K block (or before the loop); expand kb + 1
+        // into the other tile under this K block's WGMMAs, which the previous wait finished with
+        issue_mma(s, kb, wg, part);
+        if (kb + 1 < num_kb)
+            expand_stage(s, kb + 1, wg, tid, true);
+        wait_and_promote(s, tid, part, acc);
+        expand_barrier(wg);
+    } else if constexpr (kMode == kOrdered) {
+        expand_stage(s, kb, wg, tid, true);
+        expand_barrier(wg);
+        ptx::named_bar_sync(kBarTurn + wg, 256);  // this warpgroup's turn on the tensor cores
+        issue_mma(s, kb, wg, part);
+        if (wg == 0 || kb + 1 < num_kb)  // the other's turn; its last needs no arrival
+            ptx::named_bar_arrive(kBarTurn + (wg ^ 1), 256);
+        wait_and_promote(s, tid, part, acc);
+    } else {
+        if (expands<kMode>(wg)) {
+            expand_stage(s, kb, wg, tid, kMode != kNoFence);
+            expand_barrier(wg);
+        }
+        if (multiplies<kMode>(wg)) {
+            // expand_vs_mma: warpgroup 2 multiplies its own half of tile 1, which warpgroup 1's
+            // expansion into tile kb % 2 only ever writes the other half of
+            issue_mma(s, kMode == kExpandVsMma ? 1 : kb, wg, part);
+            wait_and_promote(s, tid, part, acc);
+        }
+    }
+}
+
+template <Mode kMode>
+__global__ void __launch_bounds__(256, 1) fp4_expand_kernel(uint32_t num_kb, bool subnormal, Result* out) {
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    // the e4m3 tiles' 128B swizzle needs 1024-byte alignment, which dynamic shared memory may lack
+    Smem& s = *reinterpret_cast<Smem*>(smem_raw + (1024u - ptx::smem_addr(smem_raw) % 1024u) % 1024u);
+    const uint32_t tid = threadIdx.x, wg = tid / 128;
+
+    // Stored stages: hashed codes; scale indices in the normal range [kFp4FirstNormalIndex, 31],
+    // or with --subnormal one below it in every fourth row (the warps then read the table).
+    for (uint32_t i = tid; i < kStages * kStageBytes / 4; i += blockDim.x) {
+        const uint32_t stage = i / (kStageBytes / 4), word = i % (kStageBytes / 4);
+        uint32_t v = hash32(i * 2654435761u + blockIdx.x);
+        if (word >= kFp4DataBytes / 4) {
+            const uint32_t row = word - kFp4DataBytes / 4;
+            uint32_t idx = 0;
+            for (uint32_t r = 0; r < 4; ++r) {
+                uint32_t e = megamoe::kFp4FirstNormalIndex + ((v >> (8 * r)) & 0xffu) % (32 - megamoe::kFp4FirstNormalIndex);
+                if (subnormal && row % 4 == 0 && r == 0)
+                    e = megamoe::kFp4FirstNormalIndex - 1 - ((v >> 3) & 7u);
+                idx |= e << (8 * r);
+            }
+            v = idx;
+        }
+        reinterpret_cast<uint32_t*>(s.raw[stage])[word] = v;
+    }
+    for (uint32_t i = tid; i < kABytes / 4; i += blockDim.x)
+        reinterpret_cast<uint32_t*>(s.a)[i] = hash32(i + 7u) & 0x37373737u;  // finite e4m3, |x| < 1
+    if (tid < kFp4NumScales)
+        s.table[tid] = megamoe::fp4_table_entry(tid);
+    if (tid < 64)
+        s.sfa[tid] = 1.0f + tid * 1e-3f;
+    if (tid < 4)
+        s.sfb[tid] = 0.5f;
+    __syncthreads();
+    // Both tiles expanded once (the mma mode and warpgroup 2 of expand_vs_mma read them as they are)
+    for (uint32_t kb = 0; kb < 2; ++kb)
+        expand_stage(s, kb, wg, tid, true);
+    __syncthreads();
+
+    float part[64], acc[64];
+    #pragma unroll
+    for (uint32_t i = 0; i < 64; ++i)
+        part[i] = acc[i] = 0.0f;
+    const bool active = expands<kMode>(wg) || multiplies<kMode>(wg);
+    const uint32_t total = kWarmup + num_kb;
+    if (kMode == kOrdered && wg == 1)
+        ptx::named_bar_arrive(kBarTurn, 256);  // the first turn is warpgroup 1's (wg 0)
+    long long start = 0;
+    if (active) {
+        for (uint32_t kb = 0; kb < total; ++kb) {
+            if (kb == kWarmup) {
+                if constexpr (kMode != kOrdered && kMode != kExpandAlone)
+                    ptx::named_bar_sync(kBarBoth, 256);  // the timed blocks start together
+                start = clock64();
+            }
+            k_block<kMode>(s, kb, total, wg, tid, part, acc);
+        }
+    } else if constexpr (kMode != kOrdered && kMode != kExpandAlone) {
+        ptx::named_bar_sync(kBarBoth, 256);  // an idle warpgroup still meets the start barrier
+    }
+    const long long cycles = clock64() - start;
+    float sum = 0.0f;
+    #pragma unroll
+    for (uint32_t i = 0; i < 64; ++i)
+        sum += acc[i];
+    atomicAdd(&out->sink, sum);
+    if (active && tid % 128 == 0) {
+        atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
+        atomicAdd(&out->ctas[wg], 1u);
+    }
+}
+
+template <Mode kMode>
+static void run(const char* name, uint32_t num_kb, bool subnormal, int num_sms) {
+    const size_t smem = sizeof(Smem) + 1024;
+    CHECK(cudaFuncSetAttribute(fp4_expand_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    Result* d_out;
+    CHECK(cudaMalloc(&d_out, sizeof(Result)));
+    Result r{};
+    for (int rep = 0; rep < 3; ++rep) {  // the last of three launches counts (clocks settled)
+        CHECK(cudaMemset(d_out, 0, sizeof(Result)));
+        fp4_expand_kernel<kMode><<<num_sms, 256, smem>>>(num_kb, subnormal, d_out);
+        CHECK(cudaGetLastError());
+        CHECK(cudaDeviceSynchronize());
+    }
+    CHECK(cudaMemcpy(&r, d_out, sizeof(Result), cudaMemcpyDeviceToHost));
+    CHECK(cudaFree(d_out));
+    printf("%-14s", name);
+    for (int w = 0; w < 2; ++w) {
+        if (r.ctas[w])
+            printf(" %10.1f", static_cast<double>(r.cycles[w]) / r.ctas[w] / num_kb);
+        else
+            printf(" %10s", "-");
+    }
+    printf("   (sink %g)\n", static_cast<double>(r.sink));
+}
+
+int main(int argc, char** argv) {
+    uint32_t num_kb = 4096;
+    bool subnormal = false;
+    std::vector<std::string> modes;
+    for (int i = 1; i < argc; ++i) {
+        if (!strcmp(argv[i], "--kblocks") && i + 1 < argc) {
+            num_kb = static_cast<uint32_t>(atoi(argv[++i]));
+        } else if (!strcmp(argv[i], "--subnormal")) {
+            subnormal = true;
+        } else if (argv[i][0] == '-') {
+            fprintf(stderr, "fp4_expand: unknown option %s (expected --kblocks N, --subnormal, modes)\n", argv[i]);
+            return 2;
+        } else {
+            modes.push_back(argv[i]);
+        }
+    }
+    if (num_kb == 0) {
+        fprintf(stderr, "fp4_expand: --kblocks must be positive\n");
+        return 2;
+    }
+    if (modes.empty())
+        for (int m = 0; m < kNumModes; ++m)
+            modes.push_back(kModeNames[m]);
+    int device = 0, num_sms = 0;
+    CHECK(cudaGetDevice(&device));
+    CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    printf("fp4_expand: %d CTAs, %u K blocks each%s; cycles per K block, warpgroup 1 / 2\n", num_sms, num_kb,
+           subnormal ? ", a subnormal scale in every fourth row" : "");
+    for (const std::string& name : modes) {
+        int m = 0;
+        while (m < kNumModes && name != kModeNames[m])
+            ++m;
+        switch (m) {
+            case kKernel: run<kKernel>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kMma: run<kMma>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kExpand: run<kExpand>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kExpandAlone: run<kExpandAlone>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kExpandVsMma: run<kExpandVsMma>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kNoFence: run<kNoFence>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kPipelined: run<kPipelined>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kOrdered: run<kOrdered>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            default:
+                fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
+                return 2;
+        }
+    }
+    return 0;
+}
