@@ -16,6 +16,9 @@
 //   pipelined      kernel with K block kb + 1's expansion issued between kb's commit and wait
 //   ordered        kernel with the warpgroups' WGMMAs in turns (two named barriers): each
 //                  warpgroup expands while the other's WGMMAs run
+//   wide           a block_m 128 tile's loop: each warpgroup expands its half, a barrier of both,
+//                  then each multiplies both halves (two rounds of 4 WGMMAs, wait, promotion):
+//                  twice the WGMMA work per expanded stage
 // Prints each mode's cycles per K block in either warpgroup (mean over the SMs; a warpgroup that
 // idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
 // normal (the computed table entries) unless --subnormal puts one in every fourth row.
@@ -49,9 +52,9 @@ using megamoe::kFp4StageRows;
         }                                                                                           \
     } while (0)
 
-enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kNumModes };
+enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
-                                            "nofence", "pipelined", "ordered"};
+                                            "nofence", "pipelined", "ordered", "wide"};
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kStageBytes = kFp4DataBytes + kFp4StageRows * (kFp4StageK / 32);
@@ -107,10 +110,10 @@ __device__ __forceinline__ void expand_stage(Smem& s, uint32_t kb, uint32_t wg, 
 
 __device__ __forceinline__ void expand_barrier(uint32_t wg) { ptx::named_bar_sync(kBarExpand + wg, 128); }
 
-// 4 SS m64n128k32 of the warpgroup's B half of tile kb % 2 into `part`, committed, not waited for.
-__device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t wg, float (&part)[64]) {
+// 4 SS m64n128k32 of B half `half` of tile kb % 2 into `part`, committed, not waited for.
+__device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t half, float (&part)[64]) {
     const uint64_t desc_a = ptx::make_smem_desc_sw128(s.a);
-    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + wg * 128 * kFp4StageK);
+    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + half * 128 * kFp4StageK);
     #pragma unroll
     for (uint32_t i = 0; i < 64; ++i)
         ptx::warpgroup_fence_operand(part[i]);
@@ -122,7 +125,8 @@ __device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t wg, flo
 }
 
 // Wait for the warpgroup's WGMMAs, then promote as run_tile does: acc += part * sfa(row) * sfb(group).
-__device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, float (&part)[64], float (&acc)[64]) {
+// `acc`: the 64 accumulators of the half (a wide tile's warpgroup has two halves' worth).
+__device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, float (&part)[64], float* acc) {
     const uint32_t r0 = ((tid % 128) / 32) * 16 + (tid % 32) / 4;
     const float sfa0 = ptx::ld_shared_f32(&s.sfa[r0]), sfa1 = ptx::ld_shared_f32(&s.sfa[r0 + 8]);
     const float sfb_even = ptx::ld_shared_f32(&s.sfb[0]), sfb_odd = ptx::ld_shared_f32(&s.sfb[1]);
@@ -143,8 +147,18 @@ __device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, fl
 // One K block of the mode in warpgroup wg (kb counts from 0 over warm-up and timed blocks).
 template <Mode kMode>
 __device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, uint32_t wg, uint32_t tid,
-                                        float (&part)[64], float (&acc)[64]) {
-    if constexpr (kMode == kPipelined) {
+                                        float (&part)[64], float (&acc)[128]) {
+    if constexpr (kMode == kWide) {
+        // each warpgroup expands its half of tile kb % 2, then both read both halves; the tile
+        // is overwritten at kb + 2, after this barrier of kb + 1 that follows both waits of kb
+        expand_stage(s, kb, wg, tid, true);
+        ptx::named_bar_sync(kBarBoth, 256);
+        #pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            issue_mma(s, kb, h, part);
+            wait_and_promote(s, tid, part, acc + 64 * h);
+        }
+    } else if constexpr (kMode == kPipelined) {
         // tile kb % 2 was expanded by the previous K block (or before the loop); expand kb + 1
         // into the other tile under this K block's WGMMAs, which the previous wait finished with
         issue_mma(s, kb, wg, part);
@@ -213,10 +227,13 @@ __global__ void __launch_bounds__(256, 1) fp4_expand_kernel(uint32_t num_kb, boo
         expand_stage(s, kb, wg, tid, true);
     __syncthreads();
 
-    float part[64], acc[64];
+    float part[64], acc[128];
     #pragma unroll
     for (uint32_t i = 0; i < 64; ++i)
-        part[i] = acc[i] = 0.0f;
+        part[i] = 0.0f;
+    #pragma unroll
+    for (uint32_t i = 0; i < 128; ++i)
+        acc[i] = 0.0f;
     const bool active = expands<kMode>(wg) || multiplies<kMode>(wg);
     const uint32_t total = kWarmup + num_kb;
     if (kMode == kOrdered && wg == 1)
@@ -237,7 +254,7 @@ __global__ void __launch_bounds__(256, 1) fp4_expand_kernel(uint32_t num_kb, boo
     const long long cycles = clock64() - start;
     float sum = 0.0f;
     #pragma unroll
-    for (uint32_t i = 0; i < 64; ++i)
+    for (uint32_t i = 0; i < 128; ++i)
         sum += acc[i];
     atomicAdd(&out->sink, sum);
     if (active && tid % 128 == 0) {
@@ -312,6 +329,7 @@ int main(int argc, char** argv) {
             case kNoFence: run<kNoFence>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kPipelined: run<kPipelined>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kOrdered: run<kOrdered>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kWide: run<kWide>(kModeNames[m], num_kb, subnormal, num_sms); break;
             default:
                 fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
                 return 2;
