@@ -7,9 +7,7 @@
 #   scripts/fp4_expand.sh [--kblocks N] [modes]        e.g. scripts/fp4_expand.sh kernel mma expand
 set -uo pipefail
 cd "$(dirname "$0")/.."
-NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
-[ -n "$NVCC" ] || { echo "scripts/fp4_expand.sh: nvcc not found (set PATH or install the CUDA toolkit)" >&2; exit 2; }
-BIN="${TMPDIR:-/tmp}/megamoe-fp4-expand"
-"$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o "$BIN" csrc/microbench/fp4_expand.cu \
-  || exit 2
+# shellcheck source=scripts/_microbench.sh
+. scripts/_microbench.sh
+build_microbench fp4_expand
 "$BIN" "$@" && "$BIN" --subnormal "$@"

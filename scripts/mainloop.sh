@@ -7,11 +7,9 @@
 #   scripts/mainloop.sh --sweep [modes]               default modes: halves nopromo128 quarters
 set -uo pipefail
 cd "$(dirname "$0")/.."
-NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
-[ -n "$NVCC" ] || { echo "scripts/mainloop.sh: nvcc not found (set PATH or install the CUDA toolkit)" >&2; exit 2; }
-BIN="${TMPDIR:-/tmp}/megamoe-mainloop"
-"$NVCC" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o "$BIN" csrc/microbench/mainloop.cu \
-  || exit 2
+# shellcheck source=scripts/_microbench.sh
+. scripts/_microbench.sh
+build_microbench mainloop
 if [ "${1:-}" != "--sweep" ]; then
   exec "$BIN" "$@"
 fi

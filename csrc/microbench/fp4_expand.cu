@@ -36,21 +36,13 @@
 
 #include "../megamoe/fp4.cuh"
 #include "../megamoe/ptx.cuh"
+#include "check.cuh"
 
 namespace ptx = megamoe::ptx;
 using megamoe::kFp4DataBytes;
 using megamoe::kFp4NumScales;
 using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
-
-#define CHECK(x)                                                                                    \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
 
 enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",

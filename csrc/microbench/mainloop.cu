@@ -47,18 +47,10 @@
 #include <vector>
 
 #include "../megamoe/ptx.cuh"
+#include "check.cuh"
 #include "wgmma_ops.cuh"
 
 namespace ptx = megamoe::ptx;
-
-#define CHECK(x)                                                                                    \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
 
 enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kRescale256, kRescaleHalves, kNumModes };
 static const char* kModeNames[kNumModes] = {"halves", "nopromo128", "nopromo256", "quarters",
@@ -585,7 +577,6 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
            cyc_per_kb * num_kb / (med * 1e-3) / 1e9);
     fflush(stdout);
 }
-
 
 int main(int argc, char** argv) {
     bool load = true, random = false;
