@@ -1,8 +1,10 @@
 // MXFP4 expansion microbenchmark: the fused kernel's consumer K loop with MXFP4 weights on data
 // that stays in shared memory (no HBM, no producer, no dispatch), to find what bounds the
-// expansion.  One CTA per SM, two consumer warpgroups (256 threads), each owning one 128-row half
-// of the 256-row B tile as block_m 64 does; the expansion is the kernel's own (fp4.cuh:
-// fp4_expand_half), the WGMMAs and the promotion those of consumer.cuh's run_tile.
+// expansion.  One CTA per SM of 384 threads as in the kernel: warpgroup 0 only helps fill shared
+// memory, then hands its registers to the two consumer warpgroups (setmaxnreg, the kernel's 56 and
+// 224), each owning one 128-row half of the 256-row B tile as block_m 64 does; the expansion is
+// the kernel's own (fp4.cuh: fp4_expand_half), the WGMMAs and the promotion those of
+// consumer.cuh's run_tile.
 //
 // Modes (per K block of 128, per warpgroup):
 //   kernel         expand the half from stored stage kb % 4 into e4m3 tile kb % 2, proxy fence,
@@ -19,6 +21,7 @@
 //   wide           a block_m 128 tile's loop: each warpgroup expands its half, a barrier of both,
 //                  then each multiplies both halves (two rounds of 4 WGMMAs, wait, promotion):
 //                  twice the WGMMA work per expanded stage
+//   wide_pipelined wide with K block kb + 1's expansion issued under kb's first half of WGMMAs
 // Prints each mode's cycles per K block in either warpgroup (mean over the SMs; a warpgroup that
 // idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
 // normal (the computed table entries) unless --subnormal puts one in every fourth row.
@@ -44,15 +47,16 @@ using megamoe::kFp4NumScales;
 using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
 
-enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kNumModes };
+enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
-                                            "nofence", "pipelined", "ordered", "wide"};
+                                            "nofence", "pipelined", "ordered", "wide", "wide_pipelined"};
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kStageBytes = kFp4DataBytes + kFp4StageRows * (kFp4StageK / 32);
 constexpr uint32_t kTileBytes = kFp4StageRows * kFp4StageK;  // e4m3
 constexpr uint32_t kABytes = 64 * kFp4StageK;
 constexpr uint32_t kWarmup = 16;  // K blocks before the timed ones
+constexpr uint32_t kIdleRegisters = 56, kConsumerRegisters = 224;  // kernel.cuh's producer and consumer budgets
 // Named barriers (0 is __syncthreads): both warpgroups, each warpgroup's expansion, the turns
 constexpr uint32_t kBarBoth = 1, kBarExpand = 2, kBarTurn = 4;
 
@@ -150,6 +154,17 @@ __device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, u
             issue_mma(s, kb, h, part);
             wait_and_promote(s, tid, part, acc + 64 * h);
         }
+    } else if constexpr (kMode == kWidePipelined) {
+        // tile kb % 2 was expanded by both warpgroups during kb - 1 (or before the loop) and
+        // ordered by the barrier that ended kb - 1, which also follows both warpgroups' waits of
+        // kb - 1, the last reads of tile (kb + 1) % 2 that this K block's expansion overwrites
+        issue_mma(s, kb, 0, part);
+        if (kb + 1 < num_kb)
+            expand_stage(s, kb + 1, wg, tid, true);
+        wait_and_promote(s, tid, part, acc);
+        issue_mma(s, kb, 1, part);
+        wait_and_promote(s, tid, part, acc + 64);
+        ptx::named_bar_sync(kBarBoth, 256);
     } else if constexpr (kMode == kPipelined) {
         // tile kb % 2 was expanded by the previous K block (or before the loop); expand kb + 1
         // into the other tile under this K block's WGMMAs, which the previous wait finished with
@@ -181,15 +196,14 @@ __device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, u
 }
 
 template <Mode kMode>
-__global__ void __launch_bounds__(256, 1) fp4_expand_kernel(uint32_t num_kb, bool subnormal, Result* out) {
+__global__ void __launch_bounds__(384, 1) fp4_expand_kernel(uint32_t num_kb, bool subnormal, Result* out) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     // the e4m3 tiles' 128B swizzle needs 1024-byte alignment, which dynamic shared memory may lack
     Smem& s = *reinterpret_cast<Smem*>(smem_raw + (1024u - ptx::smem_addr(smem_raw) % 1024u) % 1024u);
-    const uint32_t tid = threadIdx.x, wg = tid / 128;
 
     // Stored stages: hashed codes; scale indices in the normal range [kFp4FirstNormalIndex, 31],
     // or with --subnormal one below it in every fourth row (the warps then read the table).
-    for (uint32_t i = tid; i < kStages * kStageBytes / 4; i += blockDim.x) {
+    for (uint32_t i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
         const uint32_t stage = i / (kStageBytes / 4), word = i % (kStageBytes / 4);
         uint32_t v = hash32(i * 2654435761u + blockIdx.x);
         if (word >= kFp4DataBytes / 4) {
@@ -205,19 +219,25 @@ __global__ void __launch_bounds__(256, 1) fp4_expand_kernel(uint32_t num_kb, boo
         }
         reinterpret_cast<uint32_t*>(s.raw[stage])[word] = v;
     }
-    for (uint32_t i = tid; i < kABytes / 4; i += blockDim.x)
+    for (uint32_t i = threadIdx.x; i < kABytes / 4; i += blockDim.x)
         reinterpret_cast<uint32_t*>(s.a)[i] = hash32(i + 7u) & 0x37373737u;  // finite e4m3, |x| < 1
-    if (tid < kFp4NumScales)
-        s.table[tid] = megamoe::fp4_table_entry(tid);
-    if (tid < 64)
-        s.sfa[tid] = 1.0f + tid * 1e-3f;
-    if (tid < 4)
-        s.sfb[tid] = 0.5f;
+    if (threadIdx.x < kFp4NumScales)
+        s.table[threadIdx.x] = megamoe::fp4_table_entry(threadIdx.x);
+    if (threadIdx.x < 64)
+        s.sfa[threadIdx.x] = 1.0f + threadIdx.x * 1e-3f;
+    if (threadIdx.x < 4)
+        s.sfb[threadIdx.x] = 0.5f;
     __syncthreads();
+    if (threadIdx.x < 128) {
+        ptx::setmaxnreg_dec<kIdleRegisters>();
+        return;
+    }
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    const uint32_t tid = threadIdx.x - 128, wg = tid / 128;
     // Both tiles expanded once (the mma mode and warpgroup 2 of expand_vs_mma read them as they are)
     for (uint32_t kb = 0; kb < 2; ++kb)
         expand_stage(s, kb, wg, tid, true);
-    __syncthreads();
+    ptx::named_bar_sync(kBarBoth, 256);
 
     float part[64], acc[128];
     #pragma unroll
@@ -264,7 +284,7 @@ static void run(const char* name, uint32_t num_kb, bool subnormal, int num_sms) 
     Result r{};
     for (int rep = 0; rep < 3; ++rep) {  // the last of three launches counts (clocks settled)
         CHECK(cudaMemset(d_out, 0, sizeof(Result)));
-        fp4_expand_kernel<kMode><<<num_sms, 256, smem>>>(num_kb, subnormal, d_out);
+        fp4_expand_kernel<kMode><<<num_sms, 384, smem>>>(num_kb, subnormal, d_out);
         CHECK(cudaGetLastError());
         CHECK(cudaDeviceSynchronize());
     }
@@ -322,6 +342,7 @@ int main(int argc, char** argv) {
             case kPipelined: run<kPipelined>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kOrdered: run<kOrdered>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kWide: run<kWide>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kWidePipelined: run<kWidePipelined>(kModeNames[m], num_kb, subnormal, num_sms); break;
             default:
                 fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
                 return 2;
