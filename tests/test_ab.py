@@ -97,6 +97,20 @@ def test_a_base_tree_must_be_another_megamoe_tree_with_profile(tmp_path):
             lib.check_tree(path, here=REPO)
 
 
+def test_several_base_trees_are_named_by_their_folders_the_first_the_reference(tmp_path):
+    main, early = stand_in_tree(tmp_path / "main"), stand_in_tree(tmp_path / "early")
+    made = lib.tree_arms([main, early], here=REPO)
+    assert [(a.name, a.root) for a in made] == [("main", main.resolve()), ("early", early.resolve()), ("new", REPO)]
+    assert all(a.drop_env == (lib.ENV_GIT_COMMIT,) for a in made[:2]) and made[2].drop_env == ()
+    assert [a.name for a in lib.tree_arms([main], here=REPO)] == ["base", "new"]  # one base keeps its name
+    clash = stand_in_tree(tmp_path / "other" / "main")
+    named_new = stand_in_tree(tmp_path / "new")
+    for paths, message in (([main, main], "is given twice"), ([main, clash], "folder name 'main' names .*main already"),
+                           ([main, named_new], "folder name 'new' names this tree's arm"), ([], "at least one")):
+        with pytest.raises(MegaMoEError, match=message):
+            lib.tree_arms(paths, here=REPO)
+
+
 def test_a_child_runs_its_arms_tree_first_on_the_path_with_its_environment(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.setenv("MEGAMOE_GIT_COMMIT", "abc123")
@@ -128,6 +142,14 @@ def test_rounds_take_turns_in_reversed_order_and_ratios_are_against_the_first_ar
     assert [r["round"] for r in result.runs] == [1, 1, 2, 2, 3, 3]
     assert result.log_dir is None  # a clean run leaves no logs behind
     assert lines[0].startswith("round 1/3: base (")
+
+
+def test_three_arms_take_turns_and_each_is_measured_against_the_first():
+    fake = FakeArms({"main": [100.0, 100.0], "early": [90.0, 92.0], "new": [70.0, 74.0]})
+    result = lib.run_ab(arms("main", "early", "new"), ["--tokens", "64"], rounds=2, run_arm=fake)
+    assert result.ok and fake.order == ["main", "early", "new", "new", "early", "main"]
+    kernel = next(c for c in result.comparisons if c.measure == "kernel_us")
+    assert kernel.to_dict(result.arm_names)["time_ratio"] == {"main": 1.0, "early": 0.91, "new": 0.72}
 
 
 def test_a_config_that_failed_in_one_arm_leaves_its_value_missing_and_keeps_the_logs(tmp_path):
@@ -256,6 +278,7 @@ def test_help_names_the_arms_the_rounds_and_the_exit_statuses():
         (["--base", ".", "--knob", "X=1,2"], ["give one of --base PATH"]),
         (["--base", "/no/such/tree"], ["base tree /no/such/tree: no such folder"]),
         (["--base", str(REPO)], ["is this tree"]),
+        (["--base", "/no/such/tree", "--base", "/no/such/tree"], ["base tree /no/such/tree: no such folder"]),
         (["--knob", "X=1"], ["knob X: give at least two values to compare, got '1'"]),
         (["--knob", "X=1,2", "--rounds", "0"], ["'--rounds'", "0 is not in the range x>=1"]),
         (["--knob", "X=1,2", "--configs", "128:x"], ["block_m:num_stages[:num_sms[:cluster_m]]", "got '128:x'"]),
@@ -265,6 +288,11 @@ def test_help_names_the_arms_the_rounds_and_the_exit_statuses():
 )
 def test_bad_input_is_one_line(args, fragments):
     assert_one_line_error(run_cli("ab", *args), *fragments)
+
+
+def test_the_same_base_tree_twice_is_one_line(tmp_path):
+    base = stand_in_tree(tmp_path / "main")
+    assert_one_line_error(run_cli("ab", "--base", str(base), "--base", str(base)), f"base tree {base} is given twice")
 
 
 def test_without_a_gpu_it_refuses_up_front(monkeypatch):

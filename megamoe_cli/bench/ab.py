@@ -1,7 +1,8 @@
-"""``megamoe ab`` as a library: two source trees, or the values of an environment knob, timed
-against each other in one call.
+"""``megamoe ab`` as a library: source trees, or the values of an environment knob, timed against
+each other in one call.
 
-The arms: a base tree against this one (``tree_arms``: ``base`` and ``new``), or one arm per value
+The arms: a base tree against this one (``tree_arms``: ``base`` and ``new``; several base trees are
+named by their folders), or one arm per value
 of an environment variable in this tree (``knob_arms``: ``NAME=value``).  A round runs every arm's
 ``megamoe profile --json`` once, each in a child process of its own with the arm's tree first on
 ``PYTHONPATH`` (its package, kernel sources and ranks) and the arm's environment; the arms' order
@@ -92,9 +93,27 @@ def check_tree(path: Union[str, os.PathLike], here: Optional[Path] = None) -> Pa
     return root.resolve()
 
 
-def tree_arms(base: Union[str, os.PathLike], here: Optional[Path] = None) -> List[Arm]:
+def tree_arms(bases: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+              here: Optional[Path] = None) -> List[Arm]:
+    """The base trees' arms, then this tree's (``new``).  One base is the arm ``base``; several are
+    named by their folders (distinct names, distinct trees), the first of them the reference."""
     here = (here or this_tree()).resolve()
-    return [Arm("base", check_tree(base, here), drop_env=(ENV_GIT_COMMIT,)), Arm("new", here)]
+    paths = [bases] if isinstance(bases, (str, os.PathLike)) else list(bases)
+    if not paths:
+        raise MegaMoEError("give at least one base tree")
+    roots = [check_tree(path, here) for path in paths]
+    if len(roots) == 1:
+        return [Arm("base", roots[0], drop_env=(ENV_GIT_COMMIT,)), Arm("new", here)]
+    seen: Dict[str, Path] = {}
+    for path, root in zip(paths, roots):
+        if root in seen.values():
+            raise MegaMoEError(f"base tree {path} is given twice")
+        if root.name in seen or root.name == "new":
+            other = "this tree's arm" if root.name == "new" else str(seen[root.name])
+            raise MegaMoEError(f"base tree {path}: its folder name {root.name!r} names {other} already; several "
+                               "base trees are told apart by their folder names")
+        seen[root.name] = root
+    return [Arm(name, root, drop_env=(ENV_GIT_COMMIT,)) for name, root in seen.items()] + [Arm("new", here)]
 
 
 def parse_knob(spec: str) -> Tuple[str, List[str]]:

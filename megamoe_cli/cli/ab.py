@@ -15,8 +15,9 @@ WHAT = "megamoe ab times the fused kernel, which runs on Hopper GPUs (sm_90a) on
 
 
 @click.command()
-@click.option("--base", type=click.Path(), metavar="PATH",
-              help="A megamoe tree to time against this one (e.g. `git worktree add ../base main`).")
+@click.option("--base", type=click.Path(), metavar="PATH", multiple=True,
+              help="A megamoe tree to time against this one (e.g. `git worktree add ../base main`); repeat it "
+                   "for several, each arm named by its folder and the first the reference.")
 @click.option("--knob", metavar="NAME=V1,V2[,...]",
               help="An environment variable and its values, each timed in this tree (the first is the reference).")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
@@ -30,7 +31,7 @@ WHAT = "megamoe ab times the fused kernel, which runs on Hopper GPUs (sm_90a) on
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as one JSON object on stdout.")
 def ab(base, knob, rounds, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens,
        configs, ranks, warmup, iters, seed, given, back_to_back, point_timeout, run_timeout, log_dir, as_json):
-    """A/B of the fused kernel: a base tree against this one, or the values of an environment knob.
+    """A/B of the fused kernel: base trees against this one, or the values of an environment knob.
 
     Every round runs each arm's `megamoe profile` with these timing flags once, in a process of
     its own (the arm's tree and environment), the arms taking turns and their order reversed
@@ -50,15 +51,16 @@ def ab(base, knob, rounds, preset, hidden, intermediate, num_experts, num_topk, 
       git worktree add ../base main && megamoe ab --base ../base --tokens 64,16384 --configs 64:4,128:4
       megamoe ab --knob MEGAMOE_PROMOTION_HINTS=off,yield,hold --tokens 16384 --configs 128:4
       megamoe ab --base ../base --ranks 2 --tokens 1,128 --back-to-back 20 --rounds 3 --json > ab.json
+      megamoe ab --base ../main --base ../early --tokens 128,8192 --configs 64:4   (arms main, early, new)
     """
     from ..bench import ab as library
     from ._console import report_outcome, stderr_console
     from .profile import plan, require_hopper
 
-    if (base is None) == (knob is None):
-        raise click.UsageError("give one of --base PATH (a tree to time against this one) or --knob NAME=V1,V2 "
-                               "(values of an environment variable)")
-    arms = library.tree_arms(base) if base is not None else library.knob_arms(knob)
+    if bool(base) == (knob is not None):
+        raise click.UsageError("give one of --base PATH (a tree to time against this one; repeatable) or --knob "
+                               "NAME=V1,V2 (values of an environment variable)")
+    arms = library.tree_arms(base) if base else library.knob_arms(knob)
     values = dict(preset=preset, hidden=hidden, intermediate=intermediate, num_experts=num_experts, num_topk=num_topk,
                   weights=weights, activation_clamp=activation_clamp, num_tokens=num_tokens, configs=configs,
                   ranks=ranks, warmup=warmup, iters=iters, seed=seed, given=given, back_to_back=back_to_back,
