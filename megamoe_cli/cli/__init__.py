@@ -153,13 +153,14 @@ def main() -> None:
 def _register() -> None:
     from .ab import ab
     from .bench import bench
+    from .build import build
     from .profile import profile
     from .record import record
     from .report import report
     from .sizes import sizes
     from .tune import tune
 
-    for command in (sizes, bench, tune, report, record, profile, ab):
+    for command in (sizes, bench, tune, report, record, profile, ab, build):
         main.add_command(command)
 
 

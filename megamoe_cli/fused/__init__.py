@@ -170,8 +170,10 @@ def synchronize(buf: SymmBuffer) -> None:
         raise
 
 
-def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: int, config: dict) -> Tuple[KernelConfig, str]:
-    """Keys given in ``config`` win; the rest come from the tuned store or the analytic default.
+def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: int, config: dict,
+                   gpu: Optional[str] = None) -> Tuple[KernelConfig, str]:
+    """Keys given in ``config`` win; the rest come from the tuned store or the analytic default
+    for ``gpu`` (default: this process's CUDA device).
 
     Chosen from ``num_max_tokens_per_rank`` (identical on every rank), never from one rank's
     token count, so every rank picks the same variant and buffer layout.
@@ -183,7 +185,7 @@ def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: in
         raise MegaMoEError(
             f"fused backend: unknown config keys {sorted(unknown)}; expected block_m, num_stages, num_sms, cluster_m"
         )
-    gpu = torch.cuda.get_device_name()
+    gpu = gpu if gpu is not None else torch.cuda.get_device_name()
     chosen, source = choose_config(shape, world_size, num_max_tokens_per_rank, gpu)
     if config:
         source = "given" if set(config) >= {"block_m", "num_stages"} else f"{source}+given"
