@@ -67,18 +67,14 @@ __device__ __forceinline__ uint2 fp4_entry(uint32_t index) {
                       index * kFp4EntryStepHi + (kE2m1AsE4m3Hi - kBias * kFp4EntryStepHi));
 }
 
-// Four rows of the thread (first_row + 8 j) into the e4m3 tile `dst`, in the 128B-swizzled layout
-// TMA would have written (16-byte unit u of row r at unit u ^ (r % 8)).  The rows' code loads go
-// out together before any use, so one warp keeps four in flight.  kTable: the entries from
-// `table` (some index of the warp's rows is below kFp4FirstNormalIndex), else computed.
+// Four rows of the thread (first_row + 8 j), their code words `w` already loaded, into the e4m3
+// tile `dst`, in the 128B-swizzled layout TMA would have written (16-byte unit u of row r at unit
+// u ^ (r % 8)).  kTable: the entries from `table` (some index of the warp's rows is below
+// kFp4FirstNormalIndex), else computed.
 template <bool kTable>
-__device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint8_t* raw, uint8_t* dst, uint32_t first_row,
+__device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 (&w)[4], uint8_t* dst, uint32_t first_row,
                                                 const uint32_t (&indices)[4], uint32_t even_shift, uint32_t odd_shift,
                                                 uint32_t run) {
-    uint4 w[4];
-    #pragma unroll
-    for (uint32_t j = 0; j < 4; ++j)
-        w[j] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + run * 16));
     #pragma unroll
     for (uint32_t j = 0; j < 4; ++j) {
         const uint32_t row = first_row + 8 * j;
@@ -108,17 +104,24 @@ __device__ __forceinline__ void fp4_expand_half(const uint8_t* raw, const uint2*
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
     const uint32_t even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);
     const uint32_t first_row = 128 * half + 32 * warp + lane / 4;
+    // Every load of the stage goes out before the vote on the scales, so the codes' round trip
+    // through shared memory overlaps the indices' instead of following the branch (the loads are
+    // volatile: the compiler keeps them where they are written).
     uint32_t indices[4];
-    uint32_t low = 0;
+    uint4 w[4];
     #pragma unroll
     for (uint32_t j = 0; j < 4; ++j) {
         indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + (first_row + 8 * j) * 4);
-        low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
+        w[j] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + run * 16));
     }
+    uint32_t low = 0;
+    #pragma unroll
+    for (uint32_t j = 0; j < 4; ++j)
+        low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
     if (__any_sync(0xffffffffu, low != 0))
-        fp4_expand_rows<true>(table, raw, dst, first_row, indices, even_shift, odd_shift, run);
+        fp4_expand_rows<true>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
     else
-        fp4_expand_rows<false>(table, raw, dst, first_row, indices, even_shift, odd_shift, run);
+        fp4_expand_rows<false>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
 }
 
 }  // namespace megamoe
