@@ -83,8 +83,9 @@ def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, g
         check_block_m(max_block_m)
     supported = tuple(b for b in SUPPORTED_BLOCK_M if max_block_m is None or b <= max_block_m)
     config["block_m"] = _block_m(expected_tokens_per_expert(shape, world_size, num_tokens_per_rank), supported)
-    if shape.weights == "fp4":  # the MXFP4 kernel's one (block_m, cluster_m)
-        config["block_m"], config["cluster_m"] = FP4_CONFIGS[0]
+    if shape.weights == "fp4":  # MXFP4 builds have no clusters; block_m by the same rule
+        config["cluster_m"] = 1
+        assert (config["block_m"], 1) in FP4_CONFIGS
     config["num_stages"] = _num_stages(shape, world_size, config["block_m"])
     return config
 

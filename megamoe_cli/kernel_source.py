@@ -23,9 +23,9 @@ SUPPORTED_BLOCK_M = contract.SUPPORTED_BLOCK_M
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
 SUPPORTED_STAGES = (2, 3, 4, 5)
 SUPPORTED_CLUSTER_M = (1, 2)
-# MXFP4 weights: each consumer warpgroup expands the 128 B rows it reads (csrc consumer.cuh fp4_expand),
-# so both warpgroups must own column halves, which block_m 64 without clusters gives
-FP4_CONFIGS = ((64, 1),)
+# MXFP4 weights: each consumer warpgroup expands one 128-row half of every B stage (csrc consumer.cuh
+# fp4_expand) into two e4m3 tiles in turn; clusters (B multicast into the e4m3 tiles) are not built
+FP4_CONFIGS = ((64, 1), (128, 1))
 FP4_STAGE_BYTES = contract.FP4_STAGE_BYTES
 KERNEL_NAME = "megamoe_kernel"
 

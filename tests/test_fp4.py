@@ -279,8 +279,9 @@ def test_presets_and_variant_names():
     assert (pro.weights, pro.activation_clamp) == ("fp4", 10.0) and (flash.hidden, flash.num_experts) == (4096, 256)
     assert "_wfp4_clamp10_" in Variant(pro, 2, 128, 64, 4).name
     assert "_w" not in Variant(PRESETS["deepseek-v3"], 2, 128, 64, 4).name  # FP8 names (and caches) unchanged
+    Variant(pro, 2, 128, 128, 4).validate()  # wide and narrow block_m 128 tiles
     with pytest.raises(MegaMoEError, match="MXFP4 weights run with"):
-        Variant(pro, 2, 128, 128, 4).validate()
+        Variant(pro, 2, 128, 128, 3, 2).validate()
     with pytest.raises(MegaMoEError, match="activation_clamp must be"):
         MoEShape(512, 256, 8, 2, activation_clamp=-1.0)
     assert math.isclose(MoEShape(512, 256, 8, 2, activation_clamp=3).activation_clamp, 3.0)

@@ -111,8 +111,8 @@ constexpr uint32_t kDirectRowsPerSrc = (kBlockM == 64 && kClusterM == 1) ? kBloc
 constexpr bool kWeightFp4 = MEGAMOE_WEIGHT_FP4 != 0;
 static_assert(kFp4StageRows == kBlockN && kFp4StageK == kBlockK, "MXFP4 stage: one B tile's K block (fp4.cuh)");
 static_assert(kFp4StageBytes == kFp4DataBytes + kBlockN * (kBlockK / 32), "MXFP4 stage: see contract.py");
-static_assert(!kWeightFp4 || (kBlockM == 64 && kClusterM == 1),
-              "MXFP4 weights: block_m 64 without clusters (each consumer warpgroup expands the B half it reads)");
+static_assert(!kWeightFp4 || kClusterM == 1,
+              "MXFP4 weights: no clusters (B would have to be multicast into both CTAs' e4m3 tiles)");
 
 // L1 epilogue clamp of the models that clamp their SwiGLU (0: off): gate <= c, -c <= up <= c
 #ifndef MEGAMOE_ACTIVATION_CLAMP
@@ -135,6 +135,7 @@ constexpr uint32_t kBarDispatch = 2;   // dispatch warps
 constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
 constexpr uint32_t kBarPublish = 4;    // 4 and 5 (L1-tile parity): consumer warpgroups -> publisher warp
 constexpr uint32_t kBarExpand = 6;     // 6 and 7 (warpgroup): MXFP4 B half expanded
+constexpr uint32_t kBarExpandBoth = 8; // both consumer warpgroups: MXFP4 B tile expanded (wide slices)
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 

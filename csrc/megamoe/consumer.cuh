@@ -286,19 +286,26 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
             return phase;
         MEGAMOE_PROF(if (prof.sampler) prof_c[kProfStageWait] += clock64() - prof_t1;)
-        // MXFP4: this warpgroup expands the B half it reads into e4m3 tile it % 2, then the
-        // barrier orders every warp's expansion (and its proxy fence) before the WGMMAs.
-        // NOTES: expanding K block it overwrites tile (it - 2) % 2 only after the barrier of it - 1,
-        // which every warp reaches after waiting for its WGMMAs of it - 2.  (Expanding K block
-        // it + 1 under the WGMMAs of it measured slower: docs/PERF_NOTES.md.)
+        // MXFP4: warpgroup wg expands B half wg into e4m3 tile it % 2, then a barrier orders
+        // the expansion (and every warp's proxy fence) before the WGMMAs that read it: the
+        // warpgroup's own when it reads only that half (split columns), both warpgroups' when
+        // each reads both (a wide block_m 128 slice: the expansion per FLOP halves).
+        // NOTES: expanding K block it overwrites half wg of tile (it - 2) % 2 only after the
+        // barrier of it - 1, which every warp that read that half at it - 2 reaches after waiting
+        // for its WGMMAs of it - 2: in a wide K block it - 1 both warpgroups do; in a split one
+        // only warpgroup wg, and then wg alone read the half at it - 2 too, unless it - 2 was the
+        // last K block of a wide tile: for that case consumer_loop syncs both warpgroups before
+        // a split tile that follows a wide one.  (Expanding K block it + 1 under the WGMMAs of
+        // it measured slower: docs/PERF_NOTES.md.)
         const uint32_t b_tile = kWeightFp4 ? it_uniform & 1 : stage;
         if constexpr (kWeightFp4) {
-            static_assert(Slice::kSplitColumns, "MXFP4: each warpgroup expands only the B half it reads");
             MEGAMOE_PROF(const uint64_t prof_t3 = clock64();)
-            fp4_expand(ss, stage, ss.b[b_tile], slice.half(0), tile.is_l2, tid);
+            fp4_expand(ss, stage, ss.b[b_tile], wg, tile.is_l2, tid);
             ptx::fence_proxy_async_shared();  // the WGMMAs read the e4m3 tile through the async proxy
             MEGAMOE_PROF(const uint64_t prof_t4 = clock64(); if (prof.sampler) prof_c[14] += prof_t4 - prof_t3;)
-            if (wg)
+            if constexpr (!Slice::kSplitColumns)
+                ptx::named_bar_sync(kBarExpandBoth, kNumConsumerThreads);
+            else if (wg)
                 ptx::named_bar_sync(kBarExpand + 1, 128);
             else
                 ptx::named_bar_sync(kBarExpand, 128);
@@ -371,6 +378,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
                                                   const ConsumerProfile& prof, uint32_t& l1_tiles) {
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
+    bool after_wide = false;  // MXFP4, block_m 128: the last tile was wide (see run_tile)
     MEGAMOE_PROF(uint64_t* prof_c = prof.counters;
                  if (prof.sampler) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0;
                                      for (uint32_t i = 10; i < 16; ++i) prof_c[i] = 0;
@@ -398,6 +406,13 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
             // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
             const bool narrow = tile.rows <= 64;
+            if constexpr (kWeightFp4) {
+                // MXFP4: a split tile's second K block overwrites the e4m3 tile that both
+                // warpgroups read in the wide tile's last; each must be done with it (run_tile).
+                if (narrow && after_wide)
+                    ptx::named_bar_sync(kBarExpandBoth, kNumConsumerThreads);
+                after_wide = !narrow;
+            }
             status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles)
                             : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles);
         } else {

@@ -41,6 +41,26 @@ def test_fp4_matches_reference(group, shape_name, num_tokens):
     check_against_reference(problem, group, y)
 
 
+# block_m 128: a block with more than 64 valid rows is wide (each warpgroup expands one B half
+# and reads both, behind a barrier of both), one with at most 64 is narrow (each expands and
+# reads its own half); calls mix them, and a warpgroup's tiles change kind at tile boundaries.
+@pytest.mark.parametrize("shape_name,num_tokens,num_stages", [
+    ("small", 1, 4), ("small", 300, 3), ("small-clamp", 1000, 4), ("deepseek-v4-flash", 512, 4),
+    ("deepseek-v3-fp4", 2048, 3)])
+def test_fp4_block_m_128(group, shape_name, num_tokens, num_stages):
+    if QUICK and num_tokens not in (300, 512):
+        pytest.skip("quick tier: two block_m 128 cases")
+    rank, world = rank_and_world(group)
+    problem = make_problem(SHAPES[shape_name], rank, world, num_tokens, num_tokens, "cuda", shared_seed(group))
+    runner, y = run_fused(problem, group, {"block_m": 128, "num_stages": num_stages, "cluster_m": 1})
+    assert (runner.config["block_m"], runner.config["num_stages"]) == (128, num_stages)
+    check_against_reference(problem, group, y)
+    for _ in range(3):
+        runner()
+    synchronize(runner.buf)
+    assert torch.equal(runner.y, y), "back-to-back calls changed the result"
+
+
 def test_fp4_uneven_and_empty_ranks(group):
     check_uneven_and_empty_ranks(group, SMALL)
 
