@@ -55,10 +55,11 @@ def test_fp4_block_m_128(group, shape_name, num_tokens, num_stages):
     runner, y = run_fused(problem, group, {"block_m": 128, "num_stages": num_stages, "cluster_m": 1})
     assert (runner.config["block_m"], runner.config["num_stages"]) == (128, num_stages)
     check_against_reference(problem, group, y)
-    for _ in range(3):
+    for _ in range(10):  # the warpgroups' skew differs call to call: a race in the tiles' reuse shows here
+        runner.y.fill_(float("nan"))
         runner()
-    synchronize(runner.buf)
-    assert torch.equal(runner.y, y), "back-to-back calls changed the result"
+        synchronize(runner.buf)
+        assert torch.equal(runner.y, y), "a rerun changed the result"
 
 
 def test_fp4_uneven_and_empty_ranks(group):
