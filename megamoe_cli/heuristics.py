@@ -55,6 +55,25 @@ def _block_m(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BLOCK_
     return supported[-1]
 
 
+# MXFP4: block_m 128 from this many expected rows per expert on, the smallest block below.
+FP4_LARGE_BLOCK_FROM_ROWS = 1.0
+
+
+def _block_m_fp4(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BLOCK_M) -> int:
+    """MXFP4's block_m: the largest block from about one expected row per expert on, else the
+    smallest.
+
+    Regimes: an MXFP4 tile pays the expansion once per stored stage, and a wide block_m 128 tile
+    shares it between twice the rows; its narrow blocks (at most 64 valid rows) run as block_m
+    64's do, yet measured faster too from one row per expert on (docs/PERF_NOTES.md entry 86),
+    so only calls with far fewer rows than experts (decode at one or two tokens per rank) keep
+    the smallest block.  Between 0.06 and 1 row per expert the threshold is not measured.
+    """
+    if expected_rows < FP4_LARGE_BLOCK_FROM_ROWS:
+        return supported[0]
+    return supported[-1]
+
+
 # Deeper than this measured no faster (one H200, DeepSeek-V3, 64 tokens: 5 stages of block_m 64
 # 2436 us vs 4 stages 2443 us); 5 stays a candidate for `megamoe tune`.
 MAX_DEFAULT_STAGES = 4
@@ -82,10 +101,13 @@ def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, g
     if max_block_m is not None:
         check_block_m(max_block_m)
     supported = tuple(b for b in SUPPORTED_BLOCK_M if max_block_m is None or b <= max_block_m)
-    config["block_m"] = _block_m(expected_tokens_per_expert(shape, world_size, num_tokens_per_rank), supported)
-    if shape.weights == "fp4":  # MXFP4 builds have no clusters; block_m by the same rule
+    expected_rows = expected_tokens_per_expert(shape, world_size, num_tokens_per_rank)
+    if shape.weights == "fp4":  # MXFP4 builds have no clusters
+        config["block_m"] = _block_m_fp4(expected_rows, supported)
         config["cluster_m"] = 1
         assert (config["block_m"], 1) in FP4_CONFIGS
+    else:
+        config["block_m"] = _block_m(expected_rows, supported)
     config["num_stages"] = _num_stages(shape, world_size, config["block_m"])
     return config
 
