@@ -67,7 +67,7 @@ def _block_m_fp4(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BL
     shares it between twice the rows; its narrow blocks (at most 64 valid rows) run as block_m
     64's do, yet measured faster too from one row per expert on (docs/PERF_NOTES.md entry 86),
     so only calls with far fewer rows than experts (decode at one or two tokens per rank) keep
-    the smallest block.  Between 0.06 and 1 row per expert the threshold is not measured.
+    the smallest block.  Between 0.03 and 1 row per expert the threshold is not measured.
     """
     if expected_rows < FP4_LARGE_BLOCK_FROM_ROWS:
         return supported[0]
