@@ -56,18 +56,17 @@ def _block_m(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BLOCK_
 
 
 # MXFP4: block_m 128 from this many expected rows per expert on, the smallest block below.
-FP4_LARGE_BLOCK_FROM_ROWS = 1.0
+FP4_LARGE_BLOCK_FROM_ROWS = 0.05
 
 
 def _block_m_fp4(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BLOCK_M) -> int:
-    """MXFP4's block_m: the largest block from about one expected row per expert on, else the
+    """MXFP4's block_m: the largest block from one expected row per twenty experts on, else the
     smallest.
 
     Regimes: an MXFP4 tile pays the expansion once per stored stage, and a wide block_m 128 tile
     shares it between twice the rows; its narrow blocks (at most 64 valid rows) run as block_m
-    64's do, yet measured faster too from one row per expert on (docs/PERF_NOTES.md entry 86),
-    so only calls with far fewer rows than experts (decode at one or two tokens per rank) keep
-    the smallest block.  Between 0.03 and 1 row per expert the threshold is not measured.
+    64's do, yet measured faster too down to 0.06 rows per expert (docs/PERF_NOTES.md entry 86),
+    and slower only at 0.03 (one token per rank, DeepSeek-V3, one GPU).
     """
     if expected_rows < FP4_LARGE_BLOCK_FROM_ROWS:
         return supported[0]

@@ -202,13 +202,13 @@ def test_block_m_rule_picks_smallest_block_holding_expected_rows(monkeypatch):
     assert heuristics.default_config(DSV3, 8, 8192, "H200")["block_m"] == 256
 
 
-def test_mxfp4_takes_block_m_128_from_one_row_per_expert_on():
+def test_mxfp4_takes_block_m_128_from_a_row_per_twenty_experts_on():
     fp4 = dataclasses.replace(DSV3, weights="fp4")
-    # 1 rank: 1 token -> 8/256 rows per expert; 31 -> 0.97; 32 -> 1.0; 128 -> 4; 8192 -> 256
-    picks = {t: heuristics.default_config(fp4, 1, t, "H200") for t in (1, 31, 32, 128, 8192)}
-    assert {t: c["block_m"] for t, c in picks.items()} == {1: 64, 31: 64, 32: 128, 128: 128, 8192: 128}
+    # 1 rank: 1 token -> 8/256 = 0.03 rows per expert; 2 -> 0.06; 32 -> 1; 8192 -> 256
+    picks = {t: heuristics.default_config(fp4, 1, t, "H200") for t in (1, 2, 32, 128, 8192)}
+    assert {t: c["block_m"] for t, c in picks.items()} == {1: 64, 2: 128, 32: 128, 128: 128, 8192: 128}
     assert all(c["cluster_m"] == 1 for c in picks.values())
-    assert heuristics.default_config(fp4, 2, 16, "H200")["block_m"] == 128  # 2 ranks x 16 tokens: 1 row
+    assert heuristics.default_config(fp4, 2, 1, "H200")["block_m"] == 128  # 2 ranks x 1 token: 0.06 rows
     assert heuristics.default_config(fp4, 1, 8192, "H200", max_block_m=64)["block_m"] == 64
     # FP8 keeps its rule: the smallest block while half of it holds the rows
     assert heuristics.default_config(DSV3, 1, 128, "H200")["block_m"] == 64
