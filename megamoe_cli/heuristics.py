@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 from . import tuned
 from .contract import check_block_m
+from .errors import MegaMoEError
 from .gpus import gpu_spec
 from .kernel_source import FP4_CONFIGS, MAX_SMEM_BYTES, SUPPORTED_BLOCK_M, SUPPORTED_STAGES, Variant, smem_bytes
 from .layout import BufferConfig, MoEShape
@@ -68,9 +69,11 @@ def _block_m_fp4(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BL
     64's do, yet measured faster too down to 0.06 rows per expert (docs/PERF_NOTES.md entry 86),
     and slower only at 0.03 (one token per rank, DeepSeek-V3, one GPU).
     """
-    if expected_rows < FP4_LARGE_BLOCK_FROM_ROWS:
-        return supported[0]
-    return supported[-1]
+    built = [b for b in supported if (b, 1) in FP4_CONFIGS]  # the block_m values MXFP4 builds
+    if not built:
+        raise MegaMoEError(f"MXFP4 weights run with block_m in {[b for b, _ in FP4_CONFIGS]}, none of "
+                           f"{list(supported)} allowed here")
+    return built[0] if expected_rows < FP4_LARGE_BLOCK_FROM_ROWS else built[-1]
 
 
 # Deeper than this measured no faster (one H200, DeepSeek-V3, 64 tokens: 5 stages of block_m 64
@@ -104,7 +107,6 @@ def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, g
     if shape.weights == "fp4":  # MXFP4 builds have no clusters
         config["block_m"] = _block_m_fp4(expected_rows, supported)
         config["cluster_m"] = 1
-        assert (config["block_m"], 1) in FP4_CONFIGS
     else:
         config["block_m"] = _block_m(expected_rows, supported)
     config["num_stages"] = _num_stages(shape, world_size, config["block_m"])

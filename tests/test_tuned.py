@@ -210,6 +210,8 @@ def test_mxfp4_takes_block_m_128_from_a_row_per_twenty_experts_on():
     assert all(c["cluster_m"] == 1 for c in picks.values())
     assert heuristics.default_config(fp4, 2, 1, "H200")["block_m"] == 128  # 2 ranks x 1 token: 0.06 rows
     assert heuristics.default_config(fp4, 1, 8192, "H200", max_block_m=64)["block_m"] == 64
+    # a block_m MXFP4 does not build (a future 256) is never chosen for it
+    assert heuristics._block_m_fp4(256.0, (64, 128, 256)) == 128
     # FP8 keeps its rule: the smallest block while half of it holds the rows
     assert heuristics.default_config(DSV3, 1, 128, "H200")["block_m"] == 64
 
