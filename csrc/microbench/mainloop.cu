@@ -23,6 +23,12 @@
 //   rescale_halves  the same, as two m64n128 halves issued back to back; half 0 is rescaled for
 //               the next block while half 1 still runs (wait<1>), half 1 after wait<0>
 //                                                                            tile 128 x 256
+//   pingpong    each warpgroup owns its own 64 x 256 tiles (CUTLASS's ping-pong schedule):
+//               the warpgroups take tiles of --tile-kb stages in turn (one stage each without
+//               it), each runs halves' K loop on its tile (A: the stage's first 64 rows) and
+//               then its epilogue (the --tile-kb cycles, no barrier) while the other's tile
+//               runs, the K loops in tile order; the stages stay one in-order ring.  Cycles and TFLOPS count its 64-row
+//               K blocks as half of one 128 x 256 block              tiles 64 x 256
 // Numbers only: operands are arbitrary bytes, the result is summed into a sink.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o mainloop mainloop.cu
@@ -52,9 +58,12 @@
 
 namespace ptx = megamoe::ptx;
 
-enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kRescale256, kRescaleHalves, kNumModes };
+enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kRescale256, kRescaleHalves, kPingPong, kNumModes };
 static const char* kModeNames[kNumModes] = {"halves", "nopromo128", "nopromo256", "quarters",
-                                            "rs_halves", "rs_quarters", "n128_db", "halves_la", "rescale256", "rescale_halves"};
+                                            "rs_halves", "rs_quarters", "n128_db", "halves_la", "rescale256", "rescale_halves",
+                                            "pingpong"};
+// Rows of A a mode's stage carries and its tile's M (pingpong: one warpgroup's 64)
+__host__ __device__ constexpr uint32_t mode_rows(int mode) { return mode == kPingPong ? 64 : 128; }
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kABytes = 128 * 128;
@@ -67,6 +76,7 @@ struct Smem {
     uint64_t full[kStages];
     uint64_t empty[kStages];
     volatile uint32_t consumers_done;
+    volatile uint32_t turn;  // pingpong with --tile-kb: the tile whose K loop may run
 };
 
 // The mbarrier, TMA and WGMMA wrappers are the fused kernel's (ptx.cuh); this wait is one asm
@@ -133,9 +143,10 @@ __global__ void __launch_bounds__(384, 1)
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         ss.consumers_done = 0;
+        ss.turn = 0;
         for (uint32_t s = 0; s < kStages; ++s) {
             ptx::mbar_init(&ss.full[s], 1);
-            ptx::mbar_init(&ss.empty[s], 8);
+            ptx::mbar_init(&ss.empty[s], kMode == kPingPong ? 4 : 8);  // every consumer warp that reads it
         }
         ptx::fence_mbarrier_init();
     }
@@ -167,8 +178,9 @@ __global__ void __launch_bounds__(384, 1)
                     bulk_load(ss.sfa[s], src, 512, &ss.full[s]);
                 } else if (load) {
                     const uint8_t* from = src + static_cast<uint64_t>((blockIdx.x * 7 + kb) % src_stages) * (kABytes + kBBytesMax);
-                    ptx::mbar_arrive_expect_tx(&ss.full[s], kABytes + kBBytes + 512);
-                    bulk_load(ss.a[s], from, kABytes, &ss.full[s]);
+                    constexpr uint32_t kABytesLoaded = mode_rows(kMode) * 128;
+                    ptx::mbar_arrive_expect_tx(&ss.full[s], kABytesLoaded + kBBytes + 512);
+                    bulk_load(ss.a[s], from, kABytesLoaded, &ss.full[s]);
                     // B either from the L2-resident buffer, or streamed: every group of b_group
                     // CTAs reads its own sequence once (like b_group M blocks sharing an expert)
                     const uint8_t* b_from = b_stream != nullptr
@@ -244,6 +256,51 @@ __global__ void __launch_bounds__(384, 1)
             }
             if (tile_kb != 0 && (kb + 1) % tile_kb == 0)
                 tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
+        }
+    } else if constexpr (kMode == kPingPong) {
+        float part[64];
+        const uint32_t tkb = tile_kb != 0 ? tile_kb : 1;
+        const uint32_t rp = wwarp * 16 + lane / 4;  // the thread's first row of the 64-row tile
+        for (uint32_t t = wg; t * tkb < num_kb; t += 2) {
+            // With tiles, the K loops run in tile order (CUTLASS's ordered math barrier): a
+            // warpgroup starts its tile's loop when the other's loop of the tile before ends, and
+            // the stages it then waits for are the ring's next (a wait a phase early would pass
+            // on the previous phase's parity).
+            if (tile_kb != 0) {
+                if (wt == 0)
+                    while (ss.turn != t) {
+                    }
+                asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
+            }
+            const uint32_t end = min((t + 1) * tkb, num_kb);
+            for (uint32_t kb = t * tkb; kb < end; ++kb) {
+                const uint32_t s = kb % kStages;
+                const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
+                mbar_wait(&ss.full[s], (kb / kStages) & 1);
+                const float sa0 = ss.sfa[s][rp], sa1 = ss.sfa[s][rp + 8];
+                const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s]);
+                #pragma unroll
+                for (uint32_t h = 0; h < 2; ++h) {
+                    const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
+                    fence_regs(part);
+                    ptx::wgmma_fence();
+                    #pragma unroll
+                    for (uint32_t k = 0; k < 4; ++k)
+                        wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
+                    ptx::wgmma_commit();
+                    ptx::wgmma_wait<0>();
+                    fence_regs(part);
+                    if (h == 1 && lane == 0)
+                        ptx::mbar_arrive(&ss.empty[s]);
+                    promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
+                }
+            }
+            if (tile_kb != 0) {
+                asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // every warp's last stage waited
+                if (wt == 0)
+                    ss.turn = t + 1;
+                tile_boundary(false, epi_cycles);
+            }
         }
     } else if constexpr (kMode == kHalvesLookahead) {
         float part[64];
@@ -546,7 +603,8 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
     const size_t smem = sizeof(Smem) + 1024;
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const uint32_t n = kMode == kN128Db ? 128 : 256;
-    const double flops = 2.0 * 128 * n * 128 * static_cast<double>(num_kb) * sms;
+    constexpr uint32_t kRows = mode_rows(kMode);
+    const double flops = 2.0 * kRows * n * 128 * static_cast<double>(num_kb) * sms;
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
@@ -565,16 +623,16 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
         CHECK(cudaMemcpy(&c, cycles, sizeof(c), cudaMemcpyDeviceToHost));
         if (rep > 0) {
             ms.push_back(t);
-            cyc_per_kb += static_cast<double>(c) / (2.0 * sms) / num_kb;
+            cyc_per_kb += static_cast<double>(c) / (2.0 * sms) / num_kb * (128.0 / kRows);  // per 128 rows
         }
     }
     std::sort(ms.begin(), ms.end());
     const double med = ms[ms.size() / 2];
     cyc_per_kb /= ms.size();
     const double ideal = 128.0 * n * 128 / 4096.0;
-    printf("%-12s load=%d random=%d src=%uMiB b_group=%u tile_kb=%u epi=%u bar=%d stagger=%u tile=128x%u  %8.3f ms  %7.1f TFLOPS  %7.1f cycles/kblock (ideal %.0f: %.0f%%)  clock %.2f GHz\n",
-           kModeNames[kMode], load ? 1 : 0, random ? 1 : 0, static_cast<unsigned>(src_stages * 48ull / 1024), b_stream ? b_group : 0, tile_kb, epi_cycles, tile_barrier ? 1 : 0, stagger, n, med, flops / med / 1e9, cyc_per_kb, ideal, 100.0 * ideal / cyc_per_kb,
-           cyc_per_kb * num_kb / (med * 1e-3) / 1e9);
+    printf("%-12s load=%d random=%d src=%uMiB b_group=%u tile_kb=%u epi=%u bar=%d stagger=%u tile=%ux%u  %8.3f ms  %7.1f TFLOPS  %7.1f cycles/kblock (ideal %.0f: %.0f%%)  clock %.2f GHz\n",
+           kModeNames[kMode], load ? 1 : 0, random ? 1 : 0, static_cast<unsigned>(src_stages * 48ull / 1024), b_stream ? b_group : 0, tile_kb, epi_cycles, tile_barrier ? 1 : 0, stagger, kRows, n, med, flops / med / 1e9, cyc_per_kb, ideal, 100.0 * ideal / cyc_per_kb,
+           cyc_per_kb * kRows / 128.0 * num_kb / (med * 1e-3) / 1e9);
     fflush(stdout);
 }
 
@@ -679,7 +737,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&cycles, sizeof(unsigned long long)));
     printf("SMs %d, %u K blocks per CTA, %u stages\n", sms, num_kb, kStages);
     for (int m : modes) {
-        if (tma2d && m == kN128Db) {
+        if (tma2d && (m == kN128Db || m == kPingPong)) {
             printf("%-12s skipped: --tma2d loads 128 x 256 tiles\n", kModeNames[m]);
             continue;
         }
@@ -694,6 +752,7 @@ int main(int argc, char** argv) {
             case kN128Db: run_mode<kN128Db>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kRescale256: run_mode<kRescale256>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kRescaleHalves: run_mode<kRescaleHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
+            case kPingPong: run_mode<kPingPong>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
         }
     }
     CHECK(cudaDeviceSynchronize());
