@@ -67,16 +67,16 @@ __device__ __forceinline__ uint2 fp4_entry(uint32_t index) {
                       index * kFp4EntryStepHi + (kE2m1AsE4m3Hi - kBias * kFp4EntryStepHi));
 }
 
-// Four rows of the thread (first_row + 8 j), their code words `w` already loaded, into the e4m3
+// kRows rows of the thread (first_row + 8 j), their code words `w` already loaded, into the e4m3
 // tile `dst`, in the 128B-swizzled layout TMA would have written (16-byte unit u of row r at unit
 // u ^ (r % 8)).  kTable: the entries from `table` (some index of the warp's rows is below
 // kFp4FirstNormalIndex), else computed.
-template <bool kTable>
-__device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 (&w)[4], uint8_t* dst, uint32_t first_row,
-                                                const uint32_t (&indices)[4], uint32_t even_shift, uint32_t odd_shift,
+template <bool kTable, uint32_t kRows>
+__device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 (&w)[kRows], uint8_t* dst, uint32_t first_row,
+                                                const uint32_t (&indices)[kRows], uint32_t even_shift, uint32_t odd_shift,
                                                 uint32_t run) {
     #pragma unroll
-    for (uint32_t j = 0; j < 4; ++j) {
+    for (uint32_t j = 0; j < kRows; ++j) {
         const uint32_t row = first_row + 8 * j;
         const uint32_t i0 = (indices[j] >> even_shift) & 0xffu, i1 = (indices[j] >> odd_shift) & 0xffu;
         const uint2 lut0 = kTable ? ptx::ld_shared_v2_u32(&table[i0]) : fp4_entry(i0);
@@ -93,35 +93,45 @@ __device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 
     }
 }
 
-// Expand half `half` (128 rows) of the stored stage `raw` into the e4m3 tile `dst` (kFp4StageRows
-// x kFp4StageK bytes), by the 128 threads of one warpgroup (`tid` % 128).  Lane l takes 32-wide
-// run l % 4 of rows 128 half + 32 warp + 8 j + l / 4: a warp reads 512 contiguous bytes at a time
-// and its stores cover every bank group evenly.  L2's K columns are permuted inside 64-column
-// groups (transform_weights_for_mega_moe): the words of run c hold channels of the group's runs
-// 2 (c / 2) and 2 (c / 2) + 1 alternately.  `table`: kFp4NumScales entries (fp4_table_entry).
-__device__ __forceinline__ void fp4_expand_half(const uint8_t* raw, const uint2* table, uint8_t* dst, uint32_t half,
+// Expand part `part` of kParts (kFp4StageRows / kParts rows) of the stored stage `raw` into the
+// e4m3 tile `dst` (kFp4StageRows x kFp4StageK bytes), by the 128 threads of one warpgroup (`tid`
+// % 128).  Lane l takes 32-wide run l % 4 of rows part * R + warp * R / 4 + 8 j + l / 4 (R the
+// part's rows): a warp reads 512 contiguous bytes at a time and its stores cover every bank group
+// evenly.  L2's K columns are permuted inside 64-column groups (transform_weights_for_mega_moe):
+// the words of run c hold channels of the group's runs 2 (c / 2) and 2 (c / 2) + 1 alternately.
+// `table`: kFp4NumScales entries (fp4_table_entry).
+template <uint32_t kParts>
+__device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2* table, uint8_t* dst, uint32_t part,
                                                 bool is_l2, uint32_t tid) {
+    constexpr uint32_t kPartRows = kFp4StageRows / kParts, kRows = kPartRows / 32;  // rows per thread
+    static_assert(kPartRows % 32 == 0, "a part is a multiple of 32 rows");
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
     const uint32_t even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);
-    const uint32_t first_row = 128 * half + 32 * warp + lane / 4;
+    const uint32_t first_row = kPartRows * part + (kPartRows / 4) * warp + lane / 4;
     // Every load of the stage goes out before the vote on the scales, so the codes' round trip
     // through shared memory overlaps the indices' instead of following the branch (the loads are
     // volatile: the compiler keeps them where they are written).
-    uint32_t indices[4];
-    uint4 w[4];
+    uint32_t indices[kRows];
+    uint4 w[kRows];
     #pragma unroll
-    for (uint32_t j = 0; j < 4; ++j) {
+    for (uint32_t j = 0; j < kRows; ++j) {
         indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + (first_row + 8 * j) * 4);
         w[j] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + run * 16));
     }
     uint32_t low = 0;
     #pragma unroll
-    for (uint32_t j = 0; j < 4; ++j)
+    for (uint32_t j = 0; j < kRows; ++j)
         low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
     if (__any_sync(0xffffffffu, low != 0))
-        fp4_expand_rows<true>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
+        fp4_expand_rows<true, kRows>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
     else
-        fp4_expand_rows<false>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
+        fp4_expand_rows<false, kRows>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
+}
+
+// Half `half` (128 rows) of the stage, by one warpgroup (fp4_expand_part)
+__device__ __forceinline__ void fp4_expand_half(const uint8_t* raw, const uint2* table, uint8_t* dst, uint32_t half,
+                                                bool is_l2, uint32_t tid) {
+    fp4_expand_part<2>(raw, table, dst, half, is_l2, tid);
 }
 
 }  // namespace megamoe

@@ -22,8 +22,13 @@
 //                  then each multiplies both halves (two rounds of 4 WGMMAs, wait, promotion):
 //                  twice the WGMMA work per expanded stage
 //   wide_pipelined wide with K block kb + 1's expansion issued under kb's first half of WGMMAs
-// Prints each mode's cycles per K block in either warpgroup (mean over the SMs; a warpgroup that
-// idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
+//   quad           four consumer warpgroups (640 threads; setmaxnreg 56 / 104), each owning one
+//                  64-row quarter of B as block_m 64 with four warpgroups would: expand the
+//                  quarter, warpgroup barrier, 4 SS m64n64k32, wait, 32-FFMA promotion
+//   quad_mma       quad without the expansion
+//   quad_expand    quad's expansion alone, in all four warpgroups at once
+// Prints each mode's cycles per K block in each consumer warpgroup (mean over the SMs; a warpgroup
+// that idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
 // normal (the computed table entries) unless --subnormal puts one in every fourth row.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o fp4_expand fp4_expand.cu
@@ -40,6 +45,7 @@
 #include "../megamoe/fp4.cuh"
 #include "../megamoe/ptx.cuh"
 #include "check.cuh"
+#include "wgmma_ops.cuh"
 
 namespace ptx = megamoe::ptx;
 using megamoe::kFp4DataBytes;
@@ -47,9 +53,15 @@ using megamoe::kFp4NumScales;
 using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
 
-enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined, kNumModes };
+enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined,
+            kQuad, kQuadMma, kQuadExpand, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
-                                            "nofence", "pipelined", "ordered", "wide", "wide_pipelined"};
+                                            "nofence", "pipelined", "ordered", "wide", "wide_pipelined",
+                                            "quad", "quad_mma", "quad_expand"};
+__host__ __device__ constexpr bool is_quad(Mode m) { return m == kQuad || m == kQuadMma || m == kQuadExpand; }
+// Consumer warpgroups and threads of a mode's CTA (one more warpgroup idles, as the kernel's producer's)
+__host__ __device__ constexpr uint32_t consumer_wgs(Mode m) { return is_quad(m) ? 4 : 2; }
+__host__ __device__ constexpr uint32_t cta_threads(Mode m) { return 128 * (1 + consumer_wgs(m)); }
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kStageBytes = kFp4DataBytes + kFp4StageRows * (kFp4StageK / 32);
@@ -57,8 +69,10 @@ constexpr uint32_t kTileBytes = kFp4StageRows * kFp4StageK;  // e4m3
 constexpr uint32_t kABytes = 64 * kFp4StageK;
 constexpr uint32_t kWarmup = 16;  // K blocks before the timed ones
 constexpr uint32_t kIdleRegisters = 56, kConsumerRegisters = 224;  // kernel.cuh's producer and consumer budgets
-// Named barriers (0 is __syncthreads): both warpgroups, each warpgroup's expansion, the turns
-constexpr uint32_t kBarBoth = 1, kBarExpand = 2, kBarTurn = 4;
+// quad: 640 threads start at 96 registers; the idle warpgroup releases 40 each at 56
+constexpr uint32_t kQuadConsumerRegisters = 104;  // setmaxnreg.inc takes only what .dec released
+// Named barriers (0 is __syncthreads): all consumers, each warpgroup's expansion (quad: 6-9), the turns
+constexpr uint32_t kBarBoth = 1, kBarExpand = 2, kBarTurn = 4, kBarQuadExpand = 6;
 
 struct Smem {
     uint8_t b[2][kTileBytes];  // first: 1024-byte aligned for the 128B swizzle
@@ -70,8 +84,8 @@ struct Smem {
 };
 
 struct Result {
-    unsigned long long cycles[2];  // summed over CTAs, per warpgroup
-    unsigned int ctas[2];
+    unsigned long long cycles[4];  // summed over CTAs, per consumer warpgroup
+    unsigned int ctas[4];
     float sink;
 };
 
@@ -86,14 +100,14 @@ __device__ __forceinline__ uint32_t hash32(uint32_t x) {
 
 template <Mode kMode>
 __device__ __forceinline__ bool expands(uint32_t wg) {
-    if constexpr (kMode == kMma) return false;
+    if constexpr (kMode == kMma || kMode == kQuadMma) return false;
     if constexpr (kMode == kExpandAlone || kMode == kExpandVsMma) return wg == 0;
     return true;
 }
 
 template <Mode kMode>
 __device__ __forceinline__ bool multiplies(uint32_t wg) {
-    if constexpr (kMode == kExpand || kMode == kExpandAlone) return false;
+    if constexpr (kMode == kExpand || kMode == kExpandAlone || kMode == kQuadExpand) return false;
     if constexpr (kMode == kExpandVsMma) return wg == 1;
     return true;
 }
@@ -137,6 +151,44 @@ __device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, fl
         const bool second_row = ((i / 2) % 2) == 1;
         const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
         acc[i] = fmaf(part[i], scale, acc[i]);
+    }
+}
+
+// One K block of a quad mode in consumer warpgroup wg (0-3): its 64-row quarter of tile kb % 2,
+// which only it writes and reads, as split columns do with halves.
+template <Mode kMode>
+__device__ __forceinline__ void quad_k_block(Smem& s, uint32_t kb, uint32_t wg, uint32_t tid, float (&part)[32],
+                                             float (&acc)[32]) {
+    if (expands<kMode>(wg)) {
+        megamoe::fp4_expand_part<4>(s.raw[kb % kStages], s.table, s.b[kb & 1], wg, false, tid);
+        ptx::fence_proxy_async_shared();
+        ptx::named_bar_sync(kBarQuadExpand + wg, 128);
+    }
+    if (!multiplies<kMode>(wg))
+        return;
+    const uint64_t desc_a = ptx::make_smem_desc_sw128(s.a);
+    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + wg * 64 * kFp4StageK);
+    #pragma unroll
+    for (uint32_t i = 0; i < 32; ++i)
+        ptx::warpgroup_fence_operand(part[i]);
+    ptx::wgmma_fence();
+    #pragma unroll
+    for (uint32_t k = 0; k < kFp4StageK / 32; ++k)
+        wgmma_ss_m64n64k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+    ptx::wgmma_commit();
+    const uint32_t r0 = ((tid % 128) / 32) * 16 + (tid % 32) / 4;
+    const float sfa0 = ptx::ld_shared_f32(&s.sfa[r0]), sfa1 = ptx::ld_shared_f32(&s.sfa[r0 + 8]);
+    const float sfb_even = ptx::ld_shared_f32(&s.sfb[0]), sfb_odd = ptx::ld_shared_f32(&s.sfb[1]);
+    ptx::wgmma_wait<0>();
+    #pragma unroll
+    for (uint32_t i = 0; i < 32; ++i)
+        ptx::warpgroup_fence_operand(part[i]);
+    const float s00 = sfa0 * sfb_even, s01 = sfa0 * sfb_odd, s10 = sfa1 * sfb_even, s11 = sfa1 * sfb_odd;
+    #pragma unroll
+    for (uint32_t i = 0; i < 32; ++i) {
+        const bool odd_group = ((i / 4) % 2) == 1;
+        const bool second_row = ((i / 2) % 2) == 1;
+        acc[i] = fmaf(part[i], second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00), acc[i]);
     }
 }
 
@@ -196,7 +248,10 @@ __device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, u
 }
 
 template <Mode kMode>
-__global__ void __launch_bounds__(384, 1) fp4_expand_kernel(uint32_t num_kb, bool subnormal, Result* out) {
+__device__ __forceinline__ void two_consumers(Smem& s, uint32_t tid, uint32_t wg, uint32_t num_kb, Result* out);
+
+template <Mode kMode>
+__global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint32_t num_kb, bool subnormal, Result* out) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     // the e4m3 tiles' 128B swizzle needs 1024-byte alignment, which dynamic shared memory may lack
     Smem& s = *reinterpret_cast<Smem*>(smem_raw + (1024u - ptx::smem_addr(smem_raw) % 1024u) % 1024u);
@@ -232,8 +287,45 @@ __global__ void __launch_bounds__(384, 1) fp4_expand_kernel(uint32_t num_kb, boo
         ptx::setmaxnreg_dec<kIdleRegisters>();
         return;
     }
-    ptx::setmaxnreg_inc<kConsumerRegisters>();
     const uint32_t tid = threadIdx.x - 128, wg = tid / 128;
+    constexpr uint32_t kConsumers = 128 * consumer_wgs(kMode);
+    if constexpr (is_quad(kMode)) {
+        ptx::setmaxnreg_inc<kQuadConsumerRegisters>();
+        for (uint32_t kb = 0; kb < 2; ++kb)
+            megamoe::fp4_expand_part<4>(s.raw[kb % kStages], s.table, s.b[kb & 1], wg, false, tid);
+        ptx::fence_proxy_async_shared();
+        ptx::named_bar_sync(kBarBoth, kConsumers);
+        float part[32], acc[32];
+        #pragma unroll
+        for (uint32_t i = 0; i < 32; ++i)
+            part[i] = acc[i] = 0.0f;
+        long long start = 0;
+        for (uint32_t kb = 0; kb < kWarmup + num_kb; ++kb) {
+            if (kb == kWarmup) {
+                ptx::named_bar_sync(kBarBoth, kConsumers);
+                start = clock64();
+            }
+            quad_k_block<kMode>(s, kb, wg, tid, part, acc);
+        }
+        const long long cycles = clock64() - start;
+        float sum = 0.0f;
+        #pragma unroll
+        for (uint32_t i = 0; i < 32; ++i)
+            sum += acc[i];
+        atomicAdd(&out->sink, sum);
+        if (tid % 128 == 0) {
+            atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
+            atomicAdd(&out->ctas[wg], 1u);
+        }
+    } else {
+        two_consumers<kMode>(s, tid, wg, num_kb, out);
+    }
+}
+
+// The two-consumer modes' loop (warpgroups 1 and 2 of 384 threads, as in the kernel)
+template <Mode kMode>
+__device__ __forceinline__ void two_consumers(Smem& s, uint32_t tid, uint32_t wg, uint32_t num_kb, Result* out) {
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
     // Both tiles expanded once (the mma mode and warpgroup 2 of expand_vs_mma read them as they are)
     for (uint32_t kb = 0; kb < 2; ++kb)
         expand_stage(s, kb, wg, tid, true);
@@ -284,14 +376,14 @@ static void run(const char* name, uint32_t num_kb, bool subnormal, int num_sms) 
     Result r{};
     for (int rep = 0; rep < 3; ++rep) {  // the last of three launches counts (clocks settled)
         CHECK(cudaMemset(d_out, 0, sizeof(Result)));
-        fp4_expand_kernel<kMode><<<num_sms, 384, smem>>>(num_kb, subnormal, d_out);
+        fp4_expand_kernel<kMode><<<num_sms, cta_threads(kMode), smem>>>(num_kb, subnormal, d_out);
         CHECK(cudaGetLastError());
         CHECK(cudaDeviceSynchronize());
     }
     CHECK(cudaMemcpy(&r, d_out, sizeof(Result), cudaMemcpyDeviceToHost));
     CHECK(cudaFree(d_out));
     printf("%-14s", name);
-    for (int w = 0; w < 2; ++w) {
+    for (uint32_t w = 0; w < consumer_wgs(kMode); ++w) {
         if (r.ctas[w])
             printf(" %10.1f", static_cast<double>(r.cycles[w]) / r.ctas[w] / num_kb);
         else
@@ -326,7 +418,7 @@ int main(int argc, char** argv) {
     int device = 0, num_sms = 0;
     CHECK(cudaGetDevice(&device));
     CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-    printf("fp4_expand: %d CTAs, %u K blocks each%s; cycles per K block, warpgroup 1 / 2\n", num_sms, num_kb,
+    printf("fp4_expand: %d CTAs, %u K blocks each%s; cycles per K block, consumer warpgroup 1 / 2 [/ 3 / 4]\n", num_sms, num_kb,
            subnormal ? ", a subnormal scale in every fourth row" : "");
     for (const std::string& name : modes) {
         int m = 0;
@@ -343,6 +435,9 @@ int main(int argc, char** argv) {
             case kOrdered: run<kOrdered>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kWide: run<kWide>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kWidePipelined: run<kWidePipelined>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kQuad: run<kQuad>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kQuadMma: run<kQuadMma>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kQuadExpand: run<kQuadExpand>(kModeNames[m], num_kb, subnormal, num_sms); break;
             default:
                 fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
                 return 2;
