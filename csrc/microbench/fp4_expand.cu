@@ -27,6 +27,15 @@
 //                  quarter, warpgroup barrier, 4 SS m64n64k32, wait, 32-FFMA promotion
 //   quad_mma       quad without the expansion
 //   quad_expand    quad's expansion alone, in all four warpgroups at once
+//   rs16           weights as register-sourced A (no e4m3 tile): each warpgroup owns two 64-row
+//                  units of B; per unit a thread loads its rows' 16-byte runs as the kernel does,
+//                  transposes the words across its quad (so that each holds the words a fragment
+//                  needs: the layout a host packing in fragment order would give), expands them
+//                  straight into A fragments, and runs 4 RS m64n16k32 per unit for one 16-token
+//                  group of the A tile (as B), wait, 16-FFMA promotion: a decode block's work
+//   rs64           rs16 for four 16-token groups (a full 64-row block)
+//   rs_expand      rs16's loads, transposes and expansion alone
+// (the rs modes time the computed-entry path: every scale normal)
 // Prints each mode's cycles per K block in each consumer warpgroup (mean over the SMs; a warpgroup
 // that idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
 // normal (the computed table entries) unless --subnormal puts one in every fourth row.
@@ -54,10 +63,11 @@ using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
 
 enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined,
-            kQuad, kQuadMma, kQuadExpand, kNumModes };
+            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
                                             "nofence", "pipelined", "ordered", "wide", "wide_pipelined",
-                                            "quad", "quad_mma", "quad_expand"};
+                                            "quad", "quad_mma", "quad_expand", "rs16", "rs64", "rs_expand"};
+__host__ __device__ constexpr bool is_rs(Mode m) { return m == kRs16 || m == kRs64 || m == kRsExpand; }
 __host__ __device__ constexpr bool is_quad(Mode m) { return m == kQuad || m == kQuadMma || m == kQuadExpand; }
 // Consumer warpgroups and threads of a mode's CTA (one more warpgroup idles, as the kernel's producer's)
 __host__ __device__ constexpr uint32_t consumer_wgs(Mode m) { return is_quad(m) ? 4 : 2; }
@@ -192,6 +202,101 @@ __device__ __forceinline__ void quad_k_block(Smem& s, uint32_t kb, uint32_t wg, 
     }
 }
 
+// A 4 x 4 transpose of words across the four lanes of a quad: lane q's w[j] becomes lane j's w[q]
+// (two exchange steps, lanes q ^ 2 then q ^ 1, each trading the two words the other needs).
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], uint32_t q) {
+    #pragma unroll
+    for (uint32_t bit = 2; bit >= 1; bit >>= 1) {
+        const bool high = (q & bit) != 0;
+        #pragma unroll
+        for (uint32_t k = 0; k < 4; ++k) {
+            if (k & bit)
+                continue;
+            // words k and k | bit: a lane with the bit set gives word k and keeps k | bit
+            const uint32_t give = high ? w[k] : w[k | bit];
+            const uint32_t got = __shfl_xor_sync(0xffffffffu, give, bit);
+            if (high)
+                w[k] = got;
+            else
+                w[k | bit] = got;
+        }
+    }
+}
+
+// A fragments of one 64-row unit (rows unit_row + 16 warp + lane / 4 and + 8) for the four K
+// runs: a[s] = {row g K 32 s + 4 t.., row g + 8 same, row g K 32 s + 16 + 4 t.., row g + 8 same}.
+__device__ __forceinline__ void rs_unit_fragments(const uint8_t* raw, uint32_t unit_row, uint32_t tid, uint32_t (&a)[4][4]) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, t = lane % 4;
+    const uint32_t r1 = unit_row + 16 * warp + lane / 4, r2 = r1 + 8;
+    const uint4 v1 = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + r1 * megamoe::kFp4RowBytes + 16 * t));
+    const uint4 v2 = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + r2 * megamoe::kFp4RowBytes + 16 * t));
+    const uint32_t i1 = ptx::ld_shared_u32(raw + kFp4DataBytes + r1 * 4), i2 = ptx::ld_shared_u32(raw + kFp4DataBytes + r2 * 4);
+    uint32_t w1[4] = {v1.x, v1.y, v1.z, v1.w}, w2[4] = {v2.x, v2.y, v2.z, v2.w};
+    quad_transpose(w1, t);
+    quad_transpose(w2, t);
+    #pragma unroll
+    for (uint32_t s = 0; s < 4; ++s) {
+        megamoe::fp4_expand_word(w1[s], megamoe::fp4_entry((i1 >> (8 * s)) & 0xffu), a[s][0], a[s][2]);
+        megamoe::fp4_expand_word(w2[s], megamoe::fp4_entry((i2 >> (8 * s)) & 0xffu), a[s][1], a[s][3]);
+    }
+}
+
+// One K block of an rs mode in consumer warpgroup wg: kGroups 16-token groups of the A tile.
+template <Mode kMode, uint32_t kGroups>
+__device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, uint32_t tid, float (&part)[4][2][8],
+                                           float (&acc)[4][2][8]) {
+    uint32_t a[2][4][4];
+    #pragma unroll
+    for (uint32_t u = 0; u < 2; ++u)
+        rs_unit_fragments(s.raw[kb % kStages], 128 * wg + 64 * u, tid, a[u]);
+    if constexpr (kMode == kRsExpand) {
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t k = 0; k < 4; ++k)
+                acc[0][u][k] += __uint_as_float(a[u][k][0] ^ a[u][k][1] ^ a[u][k][2] ^ a[u][k][3]);
+        return;
+    }
+    const uint64_t desc = ptx::make_smem_desc_sw128(s.a);
+    #pragma unroll
+    for (uint32_t g = 0; g < kGroups; ++g)
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t i = 0; i < 8; ++i)
+                ptx::warpgroup_fence_operand(part[g][u][i]);
+    ptx::wgmma_fence();
+    #pragma unroll
+    for (uint32_t g = 0; g < kGroups; ++g)
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t k = 0; k < 4; ++k)
+                wgmma_rs_m64n16k32(part[g][u], a[u][k], desc + (g * 16 * kFp4StageK >> 4) + 2 * k, k > 0 ? 1 : 0);
+    ptx::wgmma_commit();
+    const uint32_t t = (tid % 32) % 4;
+    const float sfb_gate = ptx::ld_shared_f32(&s.sfb[0]), sfb_up = ptx::ld_shared_f32(&s.sfb[1]);
+    ptx::wgmma_wait<0>();
+    #pragma unroll
+    for (uint32_t g = 0; g < kGroups; ++g) {
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t i = 0; i < 8; ++i)
+                ptx::warpgroup_fence_operand(part[g][u][i]);
+        // accumulator i: row g (gate) or g + 8 (up) by (i / 2) % 2, token 16 g + 8 (i / 4) + 2 t + i % 2
+        float sa[4];
+        #pragma unroll
+        for (uint32_t c = 0; c < 4; ++c)
+            sa[c] = ptx::ld_shared_f32(&s.sfa[16 * g + 8 * (c / 2) + 2 * t + c % 2]);
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t i = 0; i < 8; ++i)
+                acc[g][u][i] = fmaf(part[g][u][i], sa[2 * (i / 4) + i % 2] * (((i / 2) % 2) ? sfb_up : sfb_gate), acc[g][u][i]);
+    }
+}
+
 // One K block of the mode in warpgroup wg (kb counts from 0 over warm-up and timed blocks).
 template <Mode kMode>
 __device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, uint32_t wg, uint32_t tid,
@@ -312,6 +417,39 @@ __global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint3
         #pragma unroll
         for (uint32_t i = 0; i < 32; ++i)
             sum += acc[i];
+        atomicAdd(&out->sink, sum);
+        if (tid % 128 == 0) {
+            atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
+            atomicAdd(&out->ctas[wg], 1u);
+        }
+    } else if constexpr (is_rs(kMode)) {
+        ptx::setmaxnreg_inc<kConsumerRegisters>();
+        constexpr uint32_t kGroups = kMode == kRs64 ? 4 : 1;
+        float part[4][2][8], acc[4][2][8];
+        #pragma unroll
+        for (uint32_t g = 0; g < 4; ++g)
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u)
+                #pragma unroll
+                for (uint32_t i = 0; i < 8; ++i)
+                    part[g][u][i] = acc[g][u][i] = 0.0f;
+        long long start = 0;
+        for (uint32_t kb = 0; kb < kWarmup + num_kb; ++kb) {
+            if (kb == kWarmup) {
+                ptx::named_bar_sync(kBarBoth, kConsumers);
+                start = clock64();
+            }
+            rs_k_block<kMode, kGroups>(s, kb, wg, tid, part, acc);
+        }
+        const long long cycles = clock64() - start;
+        float sum = 0.0f;
+        #pragma unroll
+        for (uint32_t g = 0; g < 4; ++g)
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u)
+                #pragma unroll
+                for (uint32_t i = 0; i < 8; ++i)
+                    sum += acc[g][u][i];
         atomicAdd(&out->sink, sum);
         if (tid % 128 == 0) {
             atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
@@ -438,6 +576,9 @@ int main(int argc, char** argv) {
             case kQuad: run<kQuad>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kQuadMma: run<kQuadMma>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kQuadExpand: run<kQuadExpand>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kRs16: run<kRs16>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kRs64: run<kRs64>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kRsExpand: run<kRsExpand>(kModeNames[m], num_kb, subnormal, num_sms); break;
             default:
                 fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
                 return 2;
