@@ -36,6 +36,12 @@
 //   rs64           rs16 for four 16-token groups (a full 64-row block)
 //   rs_expand      rs16's loads, transposes and expansion alone
 // (the rs modes time the computed-entry path: every scale normal)
+//   wide_c2        wide in 2-CTA clusters sharing the expansion: each CTA expands one 128-row half
+//                  of the stage (each warpgroup a quarter), copies it into the other CTA's e4m3 tile
+//                  (cp.async.bulk shared::cluster, completing on that CTA's mbarrier) and runs the
+//                  wide tile's WGMMAs: its own half first, then the other's once it has landed; a CTA
+//                  copies into a tile only after the other CTA's WGMMAs of two K blocks back (an
+//                  mbarrier each warpgroup arrives on remotely)
 // Prints each mode's cycles per K block in each consumer warpgroup (mean over the SMs; a warpgroup
 // that idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
 // normal (the computed table entries) unless --subnormal puts one in every fourth row.
@@ -63,10 +69,11 @@ using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
 
 enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined,
-            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kNumModes };
+            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kWideC2, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
                                             "nofence", "pipelined", "ordered", "wide", "wide_pipelined",
-                                            "quad", "quad_mma", "quad_expand", "rs16", "rs64", "rs_expand"};
+                                            "quad", "quad_mma", "quad_expand", "rs16", "rs64", "rs_expand",
+                                            "wide_c2"};
 __host__ __device__ constexpr bool is_rs(Mode m) { return m == kRs16 || m == kRs64 || m == kRsExpand; }
 __host__ __device__ constexpr bool is_quad(Mode m) { return m == kQuad || m == kQuadMma || m == kQuadExpand; }
 // Consumer warpgroups and threads of a mode's CTA (one more warpgroup idles, as the kernel's producer's)
@@ -505,6 +512,127 @@ __device__ __forceinline__ void two_consumers(Smem& s, uint32_t tid, uint32_t wg
     }
 }
 
+// wide_c2: the two CTAs of a cluster share each stage's expansion (see the modes above).
+struct ClusterBarriers {
+    uint64_t recv[2];  // e4m3 tile b: the other CTA's half landed (one arrival with its bytes)
+    uint64_t free[2];  // e4m3 tile b: the other CTA's two warpgroups are done reading it
+};
+
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
+    fp4_expand_kernel_wide_c2(uint32_t num_kb, Result* out) {
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    Smem& s = *reinterpret_cast<Smem*>(smem_raw + (1024u - ptx::smem_addr(smem_raw) % 1024u) % 1024u);
+    __shared__ ClusterBarriers cb;
+    const uint32_t rank = ptx::cluster_ctarank(), peer = rank ^ 1;
+    for (uint32_t i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
+        const uint32_t stage = i / (kStageBytes / 4), word = i % (kStageBytes / 4);
+        uint32_t v = hash32(i * 2654435761u + blockIdx.x);
+        if (word >= kFp4DataBytes / 4) {
+            uint32_t idx = 0;
+            for (uint32_t r = 0; r < 4; ++r)
+                idx |= (megamoe::kFp4FirstNormalIndex + ((v >> (8 * r)) & 0xffu) % (32 - megamoe::kFp4FirstNormalIndex)) << (8 * r);
+            v = idx;
+        }
+        reinterpret_cast<uint32_t*>(s.raw[stage])[word] = v;
+    }
+    for (uint32_t i = threadIdx.x; i < kABytes / 4; i += blockDim.x)
+        reinterpret_cast<uint32_t*>(s.a)[i] = hash32(i + 7u) & 0x37373737u;
+    if (threadIdx.x < kFp4NumScales)
+        s.table[threadIdx.x] = megamoe::fp4_table_entry(threadIdx.x);
+    if (threadIdx.x < 64)
+        s.sfa[threadIdx.x] = 1.0f + threadIdx.x * 1e-3f;
+    if (threadIdx.x < 4)
+        s.sfb[threadIdx.x] = 0.5f;
+    if (threadIdx.x == 0) {
+        for (uint32_t b = 0; b < 2; ++b) {
+            ptx::mbar_init(&cb.recv[b], 1);
+            ptx::mbar_init(&cb.free[b], 2);
+        }
+        ptx::fence_mbarrier_init();
+    }
+    __syncthreads();
+    ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival or copy
+    if (threadIdx.x < 128) {
+        ptx::setmaxnreg_dec<kIdleRegisters>();
+    } else {
+        ptx::setmaxnreg_inc<kConsumerRegisters>();
+        const uint32_t tid = threadIdx.x - 128, wg = tid / 128;
+        float part[64], acc[128];
+        #pragma unroll
+        for (uint32_t i = 0; i < 64; ++i)
+            part[i] = 0.0f;
+        #pragma unroll
+        for (uint32_t i = 0; i < 128; ++i)
+            acc[i] = 0.0f;
+        const uint32_t total = kWarmup + num_kb;
+        long long start = 0;
+        for (uint32_t kb = 0; kb < total; ++kb) {
+            if (kb == kWarmup) {
+                ptx::named_bar_sync(kBarBoth, 256);
+                start = clock64();
+            }
+            const uint32_t b = kb & 1;
+            // this CTA's half: each warpgroup one quarter (rows 128 rank + 64 wg ..)
+            megamoe::fp4_expand_part<4>(s.raw[kb % kStages], s.table, s.b[b], 2 * rank + wg, false, tid);
+            ptx::fence_proxy_async_shared();  // the copy and the WGMMAs read it through the async proxy
+            // both warpgroups' quarters written, and both done with kb - 1's WGMMAs (the local
+            // half of tile b was last read at kb - 2)
+            ptx::named_bar_sync(kBarBoth, 256);
+            if (tid == 0) {
+                ptx::mbar_arrive_expect_tx(&cb.recv[b], 128 * kFp4StageK);
+                if (kb >= 2)  // the other CTA's WGMMAs of kb - 2 are done with its tile b
+                    while (!ptx::mbar_try_wait(&cb.free[b], ((kb >> 1) & 1) ^ 1)) {
+                    }
+                const uint32_t half = rank * 128 * kFp4StageK;
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                        ptx::map_shared_to_rank(s.b[b] + half, peer)),
+                    "r"(ptx::smem_addr(s.b[b] + half)), "r"(128 * kFp4StageK), "r"(ptx::map_shared_to_rank(&cb.recv[b], peer))
+                    : "memory");
+            }
+            issue_mma(s, kb, rank, part);
+            wait_and_promote(s, tid, part, acc);
+            while (!ptx::mbar_try_wait(&cb.recv[b], (kb >> 1) & 1)) {
+            }
+            issue_mma(s, kb, peer, part);
+            wait_and_promote(s, tid, part, acc + 64);
+            if (tid % 128 == 0)  // this warpgroup is done with tile b: the other CTA may copy into it
+                ptx::mbar_arrive_cluster(ptx::map_shared_to_rank(&cb.free[b], peer));
+        }
+        const long long cycles = clock64() - start;
+        float sum = 0.0f;
+        #pragma unroll
+        for (uint32_t i = 0; i < 128; ++i)
+            sum += acc[i];
+        atomicAdd(&out->sink, sum);
+        if (tid % 128 == 0) {
+            atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
+            atomicAdd(&out->ctas[wg], 1u);
+        }
+    }
+    ptx::cluster_sync();  // no CTA leaves while the other may still copy into it or arrive on it
+}
+
+static void run_wide_c2(const char* name, uint32_t num_kb, int num_sms) {
+    const size_t smem = sizeof(Smem) + 1024;
+    CHECK(cudaFuncSetAttribute(fp4_expand_kernel_wide_c2, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    Result* d_out;
+    CHECK(cudaMalloc(&d_out, sizeof(Result)));
+    Result r{};
+    for (int rep = 0; rep < 3; ++rep) {
+        CHECK(cudaMemset(d_out, 0, sizeof(Result)));
+        fp4_expand_kernel_wide_c2<<<num_sms & ~1, 384, smem>>>(num_kb, d_out);
+        CHECK(cudaGetLastError());
+        CHECK(cudaDeviceSynchronize());
+    }
+    CHECK(cudaMemcpy(&r, d_out, sizeof(Result), cudaMemcpyDeviceToHost));
+    CHECK(cudaFree(d_out));
+    printf("%-14s", name);
+    for (int w = 0; w < 2; ++w)
+        printf(" %10.1f", r.ctas[w] ? static_cast<double>(r.cycles[w]) / r.ctas[w] / num_kb : 0.0);
+    printf("   (sink %g)\n", static_cast<double>(r.sink));
+}
+
 template <Mode kMode>
 static void run(const char* name, uint32_t num_kb, bool subnormal, int num_sms) {
     const size_t smem = sizeof(Smem) + 1024;
@@ -579,6 +707,7 @@ int main(int argc, char** argv) {
             case kRs16: run<kRs16>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRs64: run<kRs64>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRsExpand: run<kRsExpand>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kWideC2: run_wide_c2(kModeNames[m], num_kb, num_sms); break;
             default:
                 fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
                 return 2;
