@@ -25,7 +25,8 @@ from .kernel_source import BLOCK_N, FP4_STAGE_BYTES
 from .quant import MX_BLOCK, UE8M0_BIAS, e2m1_values, unpack_e2m1
 
 BLOCK_K = 128
-# MXFP4 stage: 256 rows x 64 bytes of e2m1 codes (fp4_words), then 256 rows x 4 scale indices
+# MXFP4 stage: 256 rows x 64 bytes of e2m1 codes (fp4_stages: each row's four 32-code runs, their
+# words in FP4_RUN_ORDER, at slots FP4 run ^ fp4_run_slot_key(row)), then 256 rows x 4 scale indices
 FP4_ROW_BYTES = BLOCK_K // 2
 FP4_SCALES_PER_ROW = BLOCK_K // MX_BLOCK
 assert FP4_STAGE_BYTES == BLOCK_N * (FP4_ROW_BYTES + FP4_SCALES_PER_ROW)
@@ -39,6 +40,17 @@ FP4_MAX_REL_EXP = 6
 # then sit at bits 7, 15, 23, 31 and codes 4-7's at bits 3, 11, 19, 27, bit 7 of their e4m3
 # bytes as is or after a 4-bit shift (fp4_expand_word).
 FP4_SIGN_SOURCE = (4, 0, 5, 1, 6, 2, 7, 3)
+# Inside each 32-code run, word t holds codes 4t..4t+3 and 16+4t..16+4t+3: the bytes one thread's
+# two A-fragment registers of a WGMMA K step hold (rows g, K 4t.. and 16 + 4t..), so weights can be
+# expanded straight into register operands; a stored e4m3 tile takes the words' low halves as the
+# run's first 16 bytes and their high halves as its last 16.
+FP4_RUN_ORDER = tuple(k for t in range(4) for k in (*range(4 * t, 4 * t + 4), *range(16 + 4 * t, 20 + 4 * t)))
+
+
+def fp4_run_slot_key(row: int) -> int:
+    """Row ``row`` of a stage keeps run ``s`` at 16-byte slot ``s ^ fp4_run_slot_key(row)``: eight
+    consecutive rows' same-word loads (4 bytes a thread) then hit 32 different banks."""
+    return (row >> 1) & 3
 
 
 def permute_l1_rows(w: torch.Tensor) -> torch.Tensor:
@@ -90,11 +102,23 @@ def fp4_words(codes: torch.Tensor) -> torch.Tensor:
     return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).reshape(*codes.shape[:-1], -1)
 
 
+def fp4_run_order(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes ``[..., K]`` -> the same with each 32-code run in FP4_RUN_ORDER."""
+    runs = codes.reshape(*codes.shape[:-1], -1, MX_BLOCK)
+    return runs[..., list(FP4_RUN_ORDER)].reshape(codes.shape)
+
+
 def fp4_stages(codes: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Permuted e2m1 codes ``[E, N, K]`` and their runs' scale indices ``[E, N, K/32]`` ->
-    ``uint8 [E, N/256, K/128, FP4_STAGE_BYTES]``: per stage the rows' words (fp4_words), then the
+    ``uint8 [E, N/256, K/128, FP4_STAGE_BYTES]``: per stage the rows' words (fp4_words of the codes
+    in FP4_RUN_ORDER, run ``s`` of row ``r`` at slot ``s ^ fp4_run_slot_key(r)``), then the
     indices."""
-    data = tile_stages(fp4_words(codes), FP4_ROW_BYTES)
+    data = tile_stages(fp4_words(fp4_run_order(codes)), FP4_ROW_BYTES)
+    runs = data.view(*data.shape[:-1], FP4_SCALES_PER_ROW, FP4_ROW_BYTES // FP4_SCALES_PER_ROW)
+    slots = torch.tensor([[s ^ fp4_run_slot_key(r) for s in range(FP4_SCALES_PER_ROW)] for r in range(BLOCK_N)],
+                         device=data.device)
+    # slot j of row r holds run j ^ key(r): gather by the inverse, which is the same XOR
+    data = torch.gather(runs, -2, slots.view(BLOCK_N, FP4_SCALES_PER_ROW, 1).expand(runs.shape)).view(data.shape)
     idx = tile_stages(indices.contiguous(), FP4_SCALES_PER_ROW)
     e, nt, kt = data.shape[:3]
     return torch.cat([data.reshape(e, nt, kt, -1), idx.reshape(e, nt, kt, -1)], dim=-1).contiguous()

@@ -183,22 +183,30 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     logical (unswizzled) order, before the block scale."""
     expand = kernel_expand_word()
     tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
-    # the run whose scale index a word takes, as fp4_expand_half picks it (L2: permuted K columns)
+    # the run whose scale index a word takes, as fp4_expand_part picks it (L2: permuted K columns),
+    # where the thread finds its run (fp4_run_slot), and where its words' halves go
     assert "even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);" in FP4_SOURCE
+    assert "return run ^ ((row >> 1) & 3u);" in FP4_SOURCE and "fp4_run_slot(first_row, run) * 16" in FP4_SOURCE
+    for t, lut in enumerate(("lut0", "lut0", "lut1", "lut1")):
+        assert f"fp4_expand_word(w[j].{'xyzw'[t]}, {lut}, lo[{t}], hi[{t}]);" in FP4_SOURCE
+    assert "((2 * run) ^ swizzle) * 16, lo[0], lo[1], lo[2], lo[3]);" in FP4_SOURCE
+    assert "((2 * run + 1) ^ swizzle) * 16, hi[0], hi[1], hi[2], hi[3]);" in FP4_SOURCE
     data = stage[: 256 * 64].view(256, 64)
     idx = stage[256 * 64 :].view(256, 4)
     out = torch.empty(256, 128, dtype=torch.uint8)
     for row in range(256):
         words = data[row].view(torch.int32).tolist()
         for run in range(4):
+            slot = run ^ ((row >> 1) & 3)
             even = (run & 2) if is_l2 else run
             odd = (run & 2) + 1 if is_l2 else run
-            for i in range(4):
-                lut = tables[int(idx[row, even if i % 2 == 0 else odd])]
-                lo, hi = expand(words[4 * run + i] & 0xFFFFFFFF, lut)
-                col = 32 * run + 8 * i
-                out[row, col : col + 8] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)] +
-                                                       [(hi >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
+            for t in range(4):
+                lut = tables[int(idx[row, even if t < 2 else odd])]
+                lo, hi = expand(words[4 * slot + t] & 0xFFFFFFFF, lut)
+                out[row, 32 * run + 4 * t : 32 * run + 4 * t + 4] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)],
+                                                                                 dtype=torch.uint8)
+                out[row, 32 * run + 16 + 4 * t : 32 * run + 20 + 4 * t] = torch.tensor(
+                    [(hi >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
     return out.view(torch.float8_e4m3fn).float()
 
 

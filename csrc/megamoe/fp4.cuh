@@ -1,10 +1,12 @@
 // MXFP4 weights expanded to e4m3 on chip (SPEC §2b): the format's constants and the expansion of
 // one stored stage into the 128B-swizzled e4m3 tile that the FP8 WGMMAs read.  No kernel state:
 // the consumers (consumer.cuh) and the expansion microbenchmark (csrc/microbench/fp4_expand.cu)
-// run the same code.  The stage as megamoe_cli/weight_layout.py lays it out: kFp4StageRows rows x
-// kFp4RowBytes bytes of codes (words as weight_layout.fp4_words packs them), then kFp4StageRows
-// rows x 4 scale indices (each 32-wide run's exponent relative to its 128x128 block's FP32 scale,
-// biased by kFp4ScaleBias).
+// run the same code.  The stage as megamoe_cli/weight_layout.py lays it out (fp4_stages):
+// kFp4StageRows rows x kFp4RowBytes bytes of codes, each row's four 32-code runs of 16 bytes at
+// slots run ^ fp4_run_slot_key(row), a run's word t holding codes 4t..4t+3 and 16+4t..16+4t+3
+// (FP4_RUN_ORDER: a WGMMA A fragment's two registers of one K step) as weight_layout.fp4_words
+// packs 8 codes; then kFp4StageRows rows x 4 scale indices (each run's exponent relative to its
+// 128x128 block's FP32 scale, biased by kFp4ScaleBias).
 #pragma once
 #include <cuda_fp8.h>
 
@@ -25,6 +27,10 @@ constexpr int32_t kFp4ScaleBias = 25;
 // subnormals, flushes) from the table in shared memory.
 constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
 
+// The 16-byte slot of run `run` in stage row `row` (weight_layout.fp4_run_slot_key): eight
+// consecutive rows' 4-byte loads of one word spread over all 32 banks
+__device__ __forceinline__ uint32_t fp4_run_slot(uint32_t row, uint32_t run) { return run ^ ((row >> 1) & 3u); }
+
 // Table entry i: the e4m3 bytes of the 8 e2m1 magnitudes times 2^(i - kFp4ScaleBias), codes 0-3
 // in .x and 4-7 in .y, rounded to nearest even where e4m3 has no exact value (subnormals,
 // flushes to zero; see megamoe_cli/weight_layout.py).
@@ -42,7 +48,7 @@ __device__ __forceinline__ uint2 fp4_table_entry(uint32_t index) {
 
 // Eight e2m1 codes (a word as weight_layout.fp4_words packs them: nibble k holds code k's
 // magnitude in bits 0-2 and one code's sign in bit 3, codes 0-3's at bits 7, 15, 23, 31, codes
-// 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes: the magnitudes by byte permutes of the scale's
+// 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes, codes 0-3 in `lo` and 4-7 in `hi`: the magnitudes by byte permutes of the scale's
 // table entry (each selector's nibbles with bit 3 clear: prmt would replicate a sign there), the
 // signs ORed in at bit 7 of their bytes as they lie or after a 4-bit shift.  Seven instructions;
 // the mask is opaque to the compiler, which would otherwise narrow it into one mask per half.
@@ -67,10 +73,13 @@ __device__ __forceinline__ uint2 fp4_entry(uint32_t index) {
                       index * kFp4EntryStepHi + (kE2m1AsE4m3Hi - kBias * kFp4EntryStepHi));
 }
 
-// kRows rows of the thread (first_row + 8 j), their code words `w` already loaded, into the e4m3
-// tile `dst`, in the 128B-swizzled layout TMA would have written (16-byte unit u of row r at unit
-// u ^ (r % 8)).  kTable: the entries from `table` (some index of the warp's rows is below
-// kFp4FirstNormalIndex), else computed.
+// kRows rows of the thread (first_row + 8 j), run `run`'s four words `w` already loaded, into
+// the e4m3 tile `dst`, in the 128B-swizzled layout TMA would have written (16-byte unit u of row r
+// at unit u ^ (r % 8)): word t's low half is K 4t.. of the run, its high half K 16 + 4t.., so the
+// low halves fill the run's first unit and the high halves its second.  Words 0-1 take the
+// scale at even_shift, 2-3 the one at odd_shift (L2's permuted runs: fp4_expand_part).  kTable:
+// the entries from `table` (some index of the warp's rows is below kFp4FirstNormalIndex), else
+// computed.
 template <bool kTable, uint32_t kRows>
 __device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 (&w)[kRows], uint8_t* dst, uint32_t first_row,
                                                 const uint32_t (&indices)[kRows], uint32_t even_shift, uint32_t odd_shift,
@@ -81,15 +90,15 @@ __device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 
         const uint32_t i0 = (indices[j] >> even_shift) & 0xffu, i1 = (indices[j] >> odd_shift) & 0xffu;
         const uint2 lut0 = kTable ? ptx::ld_shared_v2_u32(&table[i0]) : fp4_entry(i0);
         const uint2 lut1 = kTable ? ptx::ld_shared_v2_u32(&table[i1]) : fp4_entry(i1);
-        uint32_t o[8];
-        fp4_expand_word(w[j].x, lut0, o[0], o[1]);
-        fp4_expand_word(w[j].y, lut1, o[2], o[3]);
-        fp4_expand_word(w[j].z, lut0, o[4], o[5]);
-        fp4_expand_word(w[j].w, lut1, o[6], o[7]);
+        uint32_t lo[4], hi[4];
+        fp4_expand_word(w[j].x, lut0, lo[0], hi[0]);
+        fp4_expand_word(w[j].y, lut0, lo[1], hi[1]);
+        fp4_expand_word(w[j].z, lut1, lo[2], hi[2]);
+        fp4_expand_word(w[j].w, lut1, lo[3], hi[3]);
         uint8_t* dst_row = dst + row * kFp4StageK;
         const uint32_t swizzle = row % 8;
-        ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, o[0], o[1], o[2], o[3]);
-        ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, o[4], o[5], o[6], o[7]);
+        ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, lo[0], lo[1], lo[2], lo[3]);
+        ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, hi[0], hi[1], hi[2], hi[3]);
     }
 }
 
@@ -98,7 +107,8 @@ __device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 
 // % 128).  Lane l takes 32-wide run l % 4 of rows part * R + warp * R / 4 + 8 j + l / 4 (R the
 // part's rows): a warp reads 512 contiguous bytes at a time and its stores cover every bank group
 // evenly.  L2's K columns are permuted inside 64-column groups (transform_weights_for_mega_moe):
-// the words of run c hold channels of the group's runs 2 (c / 2) and 2 (c / 2) + 1 alternately.
+// run c's columns with K % 16 < 8 hold channels of the group's run 2 (c / 2), the rest of run
+// 2 (c / 2) + 1, so words 0-1 of run c take the first's scale and 2-3 the second's.
 // `table`: kFp4NumScales entries (fp4_table_entry).
 template <uint32_t kParts>
 __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2* table, uint8_t* dst, uint32_t part,
@@ -116,7 +126,9 @@ __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2*
     #pragma unroll
     for (uint32_t j = 0; j < kRows; ++j) {
         indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + (first_row + 8 * j) * 4);
-        w[j] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + run * 16));
+        // (rows 8 apart share their slot key)
+        w[j] = ptx::ld_shared_v4_u32(
+            reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + fp4_run_slot(first_row, run) * 16));
     }
     uint32_t low = 0;
     #pragma unroll
