@@ -38,6 +38,9 @@
 //   rs16_packed    rs16 without the transposes: the stage as a host packing in fragment order would
 //                  store it (each thread's 16-byte load already holds its fragments' words)
 //   rs64_packed    rs64 the same way
+//   rs16_stage     rs16 on the kernel's stage layout (fp4.cuh: words in fragment order, runs at
+//                  swizzled slots): four 4-byte loads a row, no transposes
+//   rs64_stage     rs64 the same way
 // (the rs modes time the computed-entry path: every scale normal)
 //   wide_c2        wide in 2-CTA clusters sharing the expansion: each CTA expands one 128-row half
 //                  of the stage (each warpgroup a quarter), copies it into the other CTA's e4m3 tile
@@ -72,13 +75,14 @@ using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
 
 enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined,
-            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kWideC2, kRs16Packed, kRs64Packed, kNumModes };
+            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kWideC2, kRs16Packed, kRs64Packed, kRs16Stage, kRs64Stage, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
                                             "nofence", "pipelined", "ordered", "wide", "wide_pipelined",
                                             "quad", "quad_mma", "quad_expand", "rs16", "rs64", "rs_expand",
-                                            "wide_c2", "rs16_packed", "rs64_packed"};
+                                            "wide_c2", "rs16_packed", "rs64_packed", "rs16_stage", "rs64_stage"};
 __host__ __device__ constexpr bool is_rs(Mode m) {
-    return m == kRs16 || m == kRs64 || m == kRsExpand || m == kRs16Packed || m == kRs64Packed;
+    return m == kRs16 || m == kRs64 || m == kRsExpand || m == kRs16Packed || m == kRs64Packed || m == kRs16Stage ||
+           m == kRs64Stage;
 }
 __host__ __device__ constexpr bool is_quad(Mode m) { return m == kQuad || m == kQuadMma || m == kQuadExpand; }
 // Consumer warpgroups and threads of a mode's CTA (one more warpgroup idles, as the kernel's producer's)
@@ -237,23 +241,45 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], uint32_t q) {
 
 // A fragments of one 64-row unit (rows unit_row + 16 warp + lane / 4 and + 8) for the four K
 // runs: a[s] = {row g K 32 s + 4 t.., row g + 8 same, row g K 32 s + 16 + 4 t.., row g + 8 same}.
-template <bool kTranspose>
+// How a thread gets its words: kTransposed (rs16, rs64: its row's run t as one 16-byte load, then
+// quad_transpose), kVector (the _packed modes: the 16-byte load taken as word t of each run), or
+// kStage (the _stage modes: word t of each run from the kernel's stage layout, fp4.cuh, four 4-byte
+// loads from the runs' slots)
+enum class RsLoad { kTransposed, kVector, kStage };
+
+template <RsLoad kLoad>
+__device__ __forceinline__ void rs_row_words(const uint8_t* raw, uint32_t row, uint32_t t, uint32_t (&w)[4]) {
+    if constexpr (kLoad == RsLoad::kStage) {
+        #pragma unroll
+        for (uint32_t s = 0; s < 4; ++s)
+            w[s] = ptx::ld_shared_u32(raw + row * megamoe::kFp4RowBytes + megamoe::fp4_run_slot(row, s) * 16 + 4 * t);
+    } else {
+        const uint4 v = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * megamoe::kFp4RowBytes + 16 * t));
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+        if constexpr (kLoad == RsLoad::kTransposed)
+            quad_transpose(w, t);
+    }
+}
+
+template <RsLoad kLoad>
 __device__ __forceinline__ void rs_unit_fragments(const uint8_t* raw, uint32_t unit_row, uint32_t tid, uint32_t (&a)[4][4]) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, t = lane % 4;
     const uint32_t r1 = unit_row + 16 * warp + lane / 4, r2 = r1 + 8;
-    const uint4 v1 = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + r1 * megamoe::kFp4RowBytes + 16 * t));
-    const uint4 v2 = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + r2 * megamoe::kFp4RowBytes + 16 * t));
     const uint32_t i1 = ptx::ld_shared_u32(raw + kFp4DataBytes + r1 * 4), i2 = ptx::ld_shared_u32(raw + kFp4DataBytes + r2 * 4);
-    uint32_t w1[4] = {v1.x, v1.y, v1.z, v1.w}, w2[4] = {v2.x, v2.y, v2.z, v2.w};
-    if constexpr (kTranspose) {
-        quad_transpose(w1, t);
-        quad_transpose(w2, t);
-    }
+    uint32_t w1[4], w2[4];
+    rs_row_words<kLoad>(raw, r1, t, w1);
+    rs_row_words<kLoad>(raw, r2, t, w2);
     #pragma unroll
     for (uint32_t s = 0; s < 4; ++s) {
         megamoe::fp4_expand_word(w1[s], megamoe::fp4_entry((i1 >> (8 * s)) & 0xffu), a[s][0], a[s][2]);
         megamoe::fp4_expand_word(w2[s], megamoe::fp4_entry((i2 >> (8 * s)) & 0xffu), a[s][1], a[s][3]);
     }
+}
+
+__host__ __device__ constexpr RsLoad rs_load(Mode m) {
+    return (m == kRs16Packed || m == kRs64Packed) ? RsLoad::kVector
+           : (m == kRs16Stage || m == kRs64Stage) ? RsLoad::kStage
+                                                  : RsLoad::kTransposed;
 }
 
 // One K block of an rs mode in consumer warpgroup wg: kGroups 16-token groups of the A tile.
@@ -263,7 +289,7 @@ __device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, ui
     uint32_t a[2][4][4];
     #pragma unroll
     for (uint32_t u = 0; u < 2; ++u)
-        rs_unit_fragments<kMode != kRs16Packed && kMode != kRs64Packed>(s.raw[kb % kStages], 128 * wg + 64 * u, tid, a[u]);
+        rs_unit_fragments<rs_load(kMode)>(s.raw[kb % kStages], 128 * wg + 64 * u, tid, a[u]);
     if constexpr (kMode == kRsExpand) {
         #pragma unroll
         for (uint32_t u = 0; u < 2; ++u)
@@ -439,7 +465,7 @@ __global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint3
         }
     } else if constexpr (is_rs(kMode)) {
         ptx::setmaxnreg_inc<kConsumerRegisters>();
-        constexpr uint32_t kGroups = kMode == kRs64 || kMode == kRs64Packed ? 4 : 1;
+        constexpr uint32_t kGroups = kMode == kRs64 || kMode == kRs64Packed || kMode == kRs64Stage ? 4 : 1;
         float part[4][2][8], acc[4][2][8];
         #pragma unroll
         for (uint32_t g = 0; g < 4; ++g)
@@ -718,6 +744,8 @@ int main(int argc, char** argv) {
             case kWideC2: run_wide_c2(kModeNames[m], num_kb, num_sms); break;
             case kRs16Packed: run<kRs16Packed>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRs64Packed: run<kRs64Packed>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kRs16Stage: run<kRs16Stage>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kRs64Stage: run<kRs64Stage>(kModeNames[m], num_kb, subnormal, num_sms); break;
             default:
                 fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
                 return 2;
