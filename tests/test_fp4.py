@@ -244,6 +244,39 @@ def test_expanded_stages_equal_the_dequantized_weights(layer):
         assert ((got - want[:, cols]).abs() <= bound).all(), "a value below e4m3's normal range moved too far"
 
 
+def test_stage_words_are_wgmma_a_fragments():
+    """The stage layout's promise to a register-operand path (weight_layout.FP4_RUN_ORDER,
+    fp4_run_slot_key): the thread of quad lane t that holds rows g and g + 8 of a WGMMA m64nNk32
+    e4m3 A operand needs, for K step s, the bytes of K 32 s + 4 t .. + 3 (registers a0, a1) and
+    32 s + 16 + 4 t .. + 3 (a2, a3) of each row (PTX ISA, wgmma register fragments for .e4m3 A).
+    In the stage, word t of run s of a row, read at slot s ^ key(row), expands to exactly those: its
+    low half the first four, its high half the second.  And the eight rows a warp's lanes hold at
+    once load one word each from 32 different banks."""
+    expand = kernel_expand_word()
+    torch.manual_seed(7)
+    codes = torch.randint(0, 16, (1, 256, 128), dtype=torch.uint8)
+    indices = torch.full((1, 256, 4), wl.FP4_SCALE_BIAS, dtype=torch.uint8)  # 2^0: e4m3 = the e2m1 value
+    stage = wl.fp4_stages(codes, indices)[0, 0, 0]
+    words = stage[: 256 * 64].view(256, 64).view(torch.int32)  # [256, 16]: 4 slots x 4 words
+    lut = table_entry(wl.FP4_SCALE_BIAS)
+    e4m3 = torch.tensor([e2m1_values(torch.tensor([c])).item() for c in range(16)]).to(torch.float8_e4m3fn)
+    want_bytes = e4m3.view(torch.uint8)[codes[0].long()]  # [256, 128]
+    for row in range(256):
+        for s in range(4):
+            slot = s ^ wl.fp4_run_slot_key(row)
+            for t in range(4):
+                lo, hi = expand(int(words[row, 4 * slot + t]) & 0xFFFFFFFF, lut)
+                got = [(lo >> 8 * k) & 0xFF for k in range(4)] + [(hi >> 8 * k) & 0xFF for k in range(4)]
+                want = want_bytes[row, 32 * s + 4 * t: 32 * s + 4 * t + 4].tolist() + \
+                    want_bytes[row, 32 * s + 16 + 4 * t: 32 * s + 20 + 4 * t].tolist()
+                assert got == want, (row, s, t)
+    for first in range(0, 256, 8):
+        for s in range(4):
+            banks = {(row * 64 + 16 * (s ^ wl.fp4_run_slot_key(row)) + 4 * t) // 4 % 32
+                     for row in range(first, first + 8) for t in range(4)}
+            assert len(banks) == 32, (first, s)
+
+
 def test_transform_checks_formats_before_any_launch():
     p = make_problem(SMALL_FP4, 0, 1, 4, 4)
     l1, l2 = transform_weights_for_mega_moe((p.w1, p.w1_sf), (p.w2, p.w2_sf))
