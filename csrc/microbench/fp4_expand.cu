@@ -146,37 +146,73 @@ __device__ __forceinline__ void expand_stage(Smem& s, uint32_t kb, uint32_t wg, 
 
 __device__ __forceinline__ void expand_barrier(uint32_t wg) { ptx::named_bar_sync(kBarExpand + wg, 128); }
 
-// 4 SS m64n128k32 of B half `half` of tile kb % 2 into `part`, committed, not waited for.
-__device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t half, float (&part)[64]) {
+// 4 SS m64nNk32 (N = 2 x the accumulators: 128 or 64) of tile kb % 2's B rows from `first_row`
+// into `part`, committed, not waited for.
+template <uint32_t kAcc>
+__device__ __forceinline__ void issue_mma_rows(Smem& s, uint32_t kb, uint32_t first_row, float (&part)[kAcc]) {
     const uint64_t desc_a = ptx::make_smem_desc_sw128(s.a);
-    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + half * 128 * kFp4StageK);
+    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + first_row * kFp4StageK);
     #pragma unroll
-    for (uint32_t i = 0; i < 64; ++i)
+    for (uint32_t i = 0; i < kAcc; ++i)
         ptx::warpgroup_fence_operand(part[i]);
     ptx::wgmma_fence();
     #pragma unroll
-    for (uint32_t k = 0; k < kFp4StageK / 32; ++k)
-        ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+    for (uint32_t k = 0; k < kFp4StageK / 32; ++k) {
+        if constexpr (kAcc == 64)
+            ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+        else
+            wgmma_ss_m64n64k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
+    }
     ptx::wgmma_commit();
 }
 
+// B half `half` (128 rows)
+__device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t half, float (&part)[64]) {
+    issue_mma_rows<64>(s, kb, half * 128, part);
+}
+
 // Wait for the warpgroup's WGMMAs, then promote as run_tile does: acc += part * sfa(row) * sfb(group).
-// `acc`: the 64 accumulators of the half (a wide tile's warpgroup has two halves' worth).
-__device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, float (&part)[64], float* acc) {
+// `acc`: the N accumulators of the half (a wide tile's warpgroup has two halves' worth; a quad
+// warpgroup's quarter has 32).
+template <uint32_t N = 64>
+__device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, float (&part)[N], float* acc) {
     const uint32_t r0 = ((tid % 128) / 32) * 16 + (tid % 32) / 4;
     const float sfa0 = ptx::ld_shared_f32(&s.sfa[r0]), sfa1 = ptx::ld_shared_f32(&s.sfa[r0 + 8]);
     const float sfb_even = ptx::ld_shared_f32(&s.sfb[0]), sfb_odd = ptx::ld_shared_f32(&s.sfb[1]);
     ptx::wgmma_wait<0>();
     #pragma unroll
-    for (uint32_t i = 0; i < 64; ++i)
+    for (uint32_t i = 0; i < N; ++i)
         ptx::warpgroup_fence_operand(part[i]);
     const float s00 = sfa0 * sfb_even, s01 = sfa0 * sfb_odd, s10 = sfa1 * sfb_even, s11 = sfa1 * sfb_odd;
     #pragma unroll
-    for (uint32_t i = 0; i < 64; ++i) {
+    for (uint32_t i = 0; i < N; ++i) {
         const bool odd_group = ((i / 4) % 2) == 1;
         const bool second_row = ((i / 2) % 2) == 1;
         const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
         acc[i] = fmaf(part[i], scale, acc[i]);
+    }
+}
+
+template <uint32_t N>
+__device__ __forceinline__ void zero(float (&x)[N]) {
+    #pragma unroll
+    for (uint32_t i = 0; i < N; ++i)
+        x[i] = 0.0f;
+}
+
+// What every mode reports: the accumulators' sum (so that nothing is optimized away) and, for a
+// warpgroup that ran (`active`), its cycles
+template <uint32_t N>
+__device__ __forceinline__ void report(Result* out, const float* acc, long long cycles, uint32_t wg, uint32_t tid,
+                                       bool active = true) {
+    float sum = 0.0f;
+    #pragma unroll
+    for (uint32_t i = 0; i < N; ++i)
+        sum += acc[i];
+    atomicAdd(&out->sink, sum);
+    if (active && tid % 128 == 0) {
+        atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
+        atomicAdd(&out->ctas[wg], 1u);
     }
 }
 
@@ -192,30 +228,8 @@ __device__ __forceinline__ void quad_k_block(Smem& s, uint32_t kb, uint32_t wg, 
     }
     if (!multiplies<kMode>(wg))
         return;
-    const uint64_t desc_a = ptx::make_smem_desc_sw128(s.a);
-    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + wg * 64 * kFp4StageK);
-    #pragma unroll
-    for (uint32_t i = 0; i < 32; ++i)
-        ptx::warpgroup_fence_operand(part[i]);
-    ptx::wgmma_fence();
-    #pragma unroll
-    for (uint32_t k = 0; k < kFp4StageK / 32; ++k)
-        wgmma_ss_m64n64k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
-    ptx::wgmma_commit();
-    const uint32_t r0 = ((tid % 128) / 32) * 16 + (tid % 32) / 4;
-    const float sfa0 = ptx::ld_shared_f32(&s.sfa[r0]), sfa1 = ptx::ld_shared_f32(&s.sfa[r0 + 8]);
-    const float sfb_even = ptx::ld_shared_f32(&s.sfb[0]), sfb_odd = ptx::ld_shared_f32(&s.sfb[1]);
-    ptx::wgmma_wait<0>();
-    #pragma unroll
-    for (uint32_t i = 0; i < 32; ++i)
-        ptx::warpgroup_fence_operand(part[i]);
-    const float s00 = sfa0 * sfb_even, s01 = sfa0 * sfb_odd, s10 = sfa1 * sfb_even, s11 = sfa1 * sfb_odd;
-    #pragma unroll
-    for (uint32_t i = 0; i < 32; ++i) {
-        const bool odd_group = ((i / 4) % 2) == 1;
-        const bool second_row = ((i / 2) % 2) == 1;
-        acc[i] = fmaf(part[i], second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00), acc[i]);
-    }
+    issue_mma_rows<32>(s, kb, wg * 64, part);
+    wait_and_promote<32>(s, tid, part, acc);
 }
 
 // A 4 x 4 transpose of words across the four lanes of a quad: lane q's w[j] becomes lane j's w[q]
@@ -282,6 +296,17 @@ __host__ __device__ constexpr RsLoad rs_load(Mode m) {
                                                   : RsLoad::kTransposed;
 }
 
+template <uint32_t kGroups>
+__device__ __forceinline__ void fence_groups(float (&part)[4][2][8]) {
+    #pragma unroll
+    for (uint32_t g = 0; g < kGroups; ++g)
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t i = 0; i < 8; ++i)
+                ptx::warpgroup_fence_operand(part[g][u][i]);
+}
+
 // One K block of an rs mode in consumer warpgroup wg: kGroups 16-token groups of the A tile.
 template <Mode kMode, uint32_t kGroups>
 __device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, uint32_t tid, float (&part)[4][2][8],
@@ -299,13 +324,7 @@ __device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, ui
         return;
     }
     const uint64_t desc = ptx::make_smem_desc_sw128(s.a);
-    #pragma unroll
-    for (uint32_t g = 0; g < kGroups; ++g)
-        #pragma unroll
-        for (uint32_t u = 0; u < 2; ++u)
-            #pragma unroll
-            for (uint32_t i = 0; i < 8; ++i)
-                ptx::warpgroup_fence_operand(part[g][u][i]);
+    fence_groups<kGroups>(part);
     ptx::wgmma_fence();
     #pragma unroll
     for (uint32_t g = 0; g < kGroups; ++g)
@@ -318,13 +337,9 @@ __device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, ui
     const uint32_t t = (tid % 32) % 4;
     const float sfb_gate = ptx::ld_shared_f32(&s.sfb[0]), sfb_up = ptx::ld_shared_f32(&s.sfb[1]);
     ptx::wgmma_wait<0>();
+    fence_groups<kGroups>(part);
     #pragma unroll
     for (uint32_t g = 0; g < kGroups; ++g) {
-        #pragma unroll
-        for (uint32_t u = 0; u < 2; ++u)
-            #pragma unroll
-            for (uint32_t i = 0; i < 8; ++i)
-                ptx::warpgroup_fence_operand(part[g][u][i]);
         // accumulator i: row g (gate) or g + 8 (up) by (i / 2) % 2, token 16 g + 8 (i / 4) + 2 t + i % 2
         float sa[4];
         #pragma unroll
@@ -453,16 +468,7 @@ __global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint3
             }
             quad_k_block<kMode>(s, kb, wg, tid, part, acc);
         }
-        const long long cycles = clock64() - start;
-        float sum = 0.0f;
-        #pragma unroll
-        for (uint32_t i = 0; i < 32; ++i)
-            sum += acc[i];
-        atomicAdd(&out->sink, sum);
-        if (tid % 128 == 0) {
-            atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
-            atomicAdd(&out->ctas[wg], 1u);
-        }
+        report<32>(out, acc, clock64() - start, wg, tid);
     } else if constexpr (is_rs(kMode)) {
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         constexpr uint32_t kGroups = kMode == kRs64 || kMode == kRs64Packed || kMode == kRs64Stage ? 4 : 1;
@@ -482,20 +488,7 @@ __global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint3
             }
             rs_k_block<kMode, kGroups>(s, kb, wg, tid, part, acc);
         }
-        const long long cycles = clock64() - start;
-        float sum = 0.0f;
-        #pragma unroll
-        for (uint32_t g = 0; g < 4; ++g)
-            #pragma unroll
-            for (uint32_t u = 0; u < 2; ++u)
-                #pragma unroll
-                for (uint32_t i = 0; i < 8; ++i)
-                    sum += acc[g][u][i];
-        atomicAdd(&out->sink, sum);
-        if (tid % 128 == 0) {
-            atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
-            atomicAdd(&out->ctas[wg], 1u);
-        }
+        report<64>(out, &acc[0][0][0], clock64() - start, wg, tid);
     } else {
         two_consumers<kMode>(s, tid, wg, num_kb, out);
     }
@@ -511,12 +504,8 @@ __device__ __forceinline__ void two_consumers(Smem& s, uint32_t tid, uint32_t wg
     ptx::named_bar_sync(kBarBoth, 256);
 
     float part[64], acc[128];
-    #pragma unroll
-    for (uint32_t i = 0; i < 64; ++i)
-        part[i] = 0.0f;
-    #pragma unroll
-    for (uint32_t i = 0; i < 128; ++i)
-        acc[i] = 0.0f;
+    zero(part);
+    zero(acc);
     const bool active = expands<kMode>(wg) || multiplies<kMode>(wg);
     const uint32_t total = kWarmup + num_kb;
     if (kMode == kOrdered && wg == 1)
@@ -534,16 +523,7 @@ __device__ __forceinline__ void two_consumers(Smem& s, uint32_t tid, uint32_t wg
     } else if constexpr (kMode != kOrdered && kMode != kExpandAlone) {
         ptx::named_bar_sync(kBarBoth, 256);  // an idle warpgroup still meets the start barrier
     }
-    const long long cycles = clock64() - start;
-    float sum = 0.0f;
-    #pragma unroll
-    for (uint32_t i = 0; i < 128; ++i)
-        sum += acc[i];
-    atomicAdd(&out->sink, sum);
-    if (active && tid % 128 == 0) {
-        atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
-        atomicAdd(&out->ctas[wg], 1u);
-    }
+    report<128>(out, acc, clock64() - start, wg, tid, active);
 }
 
 // wide_c2: the two CTAs of a cluster share each stage's expansion (see the modes above).
@@ -592,12 +572,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
         ptx::setmaxnreg_inc<kConsumerRegisters>();
         const uint32_t tid = threadIdx.x - 128, wg = tid / 128;
         float part[64], acc[128];
-        #pragma unroll
-        for (uint32_t i = 0; i < 64; ++i)
-            part[i] = 0.0f;
-        #pragma unroll
-        for (uint32_t i = 0; i < 128; ++i)
-            acc[i] = 0.0f;
+        zero(part);
+        zero(acc);
         const uint32_t total = kWarmup + num_kb;
         long long start = 0;
         for (uint32_t kb = 0; kb < total; ++kb) {
@@ -633,16 +609,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
             if (tid % 128 == 0)  // this warpgroup is done with tile b: the other CTA may copy into it
                 ptx::mbar_arrive_cluster(ptx::map_shared_to_rank(&cb.free[b], peer));
         }
-        const long long cycles = clock64() - start;
-        float sum = 0.0f;
-        #pragma unroll
-        for (uint32_t i = 0; i < 128; ++i)
-            sum += acc[i];
-        atomicAdd(&out->sink, sum);
-        if (tid % 128 == 0) {
-            atomicAdd(&out->cycles[wg], static_cast<unsigned long long>(cycles));
-            atomicAdd(&out->ctas[wg], 1u);
-        }
+        report<128>(out, acc, clock64() - start, wg, tid);
     }
     ptx::cluster_sync();  // no CTA leaves while the other may still copy into it or arrive on it
 }

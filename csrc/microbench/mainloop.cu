@@ -129,6 +129,38 @@ __device__ __forceinline__ void promote(float* acc, float (&part)[N], float s0, 
         acc[i] = fmaf(part[i], ((i / 2) % 2) ? s1 : s0, acc[i]);
 }
 
+// One K block of the halves loop on stage s (A rows at descriptor da): per 128-column half, 4 SS
+// m64n128k32 into `part`, wait, promote; the stage released after the second half's wait.
+// `next_full` (halves_la): a barrier to wait at, parity `next_parity`, under the second half's WGMMAs.
+// kRs (rs_halves): A from the fragments `afr` instead of da.
+template <bool kRs = false>
+__device__ __forceinline__ void halves_block(Smem& ss, uint32_t s, uint64_t da, float (&part)[64], float* acc, float sa0,
+                                             float sa1, float sb0, float sb1, uint32_t lane,
+                                             uint64_t* next_full = nullptr, uint32_t next_parity = 0,
+                                             const uint32_t (*afr)[4] = nullptr) {
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+        const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
+        fence_regs(part);
+        ptx::wgmma_fence();
+        #pragma unroll
+        for (uint32_t k = 0; k < 4; ++k) {
+            if constexpr (kRs)
+                wgmma_rs_m64n128k32(part, afr[k], db + 2 * k, k > 0);
+            else
+                wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
+        }
+        ptx::wgmma_commit();
+        if (h == 1 && next_full != nullptr)
+            mbar_wait(next_full, next_parity);
+        ptx::wgmma_wait<0>();
+        fence_regs(part);
+        if (h == 1 && lane == 0)
+            ptx::mbar_arrive(&ss.empty[s]);
+        promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
+    }
+}
+
 template <int kMode>
 __global__ void __launch_bounds__(384, 1)
     mainloop_kernel(const uint8_t* __restrict__ src, uint32_t src_stages, const float* __restrict__ sfb,
@@ -235,25 +267,7 @@ __global__ void __launch_bounds__(384, 1)
                 for (uint32_t k = 0; k < 4; ++k)
                     load_a_frag(ss.a[s], 64 * wg + wwarp * 16, k, lane, afr[k]);
             }
-            #pragma unroll
-            for (uint32_t h = 0; h < 2; ++h) {
-                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
-                fence_regs(part);
-                ptx::wgmma_fence();
-                #pragma unroll
-                for (uint32_t k = 0; k < 4; ++k) {
-                    if constexpr (kMode == kRsHalves)
-                        wgmma_rs_m64n128k32(part, afr[k], db + 2 * k, k > 0);
-                    else
-                        wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
-                }
-                ptx::wgmma_commit();
-                ptx::wgmma_wait<0>();
-                fence_regs(part);
-                if (h == 1 && lane == 0)
-                    ptx::mbar_arrive(&ss.empty[s]);
-                promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
-            }
+            halves_block<kMode == kRsHalves>(ss, s, da, part, acc, sa0, sa1, sb0, sb1, lane, nullptr, 0, afr);
             if (tile_kb != 0 && (kb + 1) % tile_kb == 0)
                 tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
         }
@@ -278,22 +292,7 @@ __global__ void __launch_bounds__(384, 1)
                 const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
                 mbar_wait(&ss.full[s], (kb / kStages) & 1);
                 const float sa0 = ss.sfa[s][rp], sa1 = ss.sfa[s][rp + 8];
-                const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s]);
-                #pragma unroll
-                for (uint32_t h = 0; h < 2; ++h) {
-                    const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
-                    fence_regs(part);
-                    ptx::wgmma_fence();
-                    #pragma unroll
-                    for (uint32_t k = 0; k < 4; ++k)
-                        wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
-                    ptx::wgmma_commit();
-                    ptx::wgmma_wait<0>();
-                    fence_regs(part);
-                    if (h == 1 && lane == 0)
-                        ptx::mbar_arrive(&ss.empty[s]);
-                    promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
-                }
+                halves_block(ss, s, ptx::make_smem_desc_sw128(ss.a[s]), part, acc, sa0, sa1, sb0, sb1, lane);
             }
             if (tile_kb != 0) {
                 asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // every warp's last stage waited
@@ -309,24 +308,8 @@ __global__ void __launch_bounds__(384, 1)
             const uint32_t s = kb % kStages;
             const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
             const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
-            #pragma unroll
-            for (uint32_t h = 0; h < 2; ++h) {
-                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
-                fence_regs(part);
-                ptx::wgmma_fence();
-                #pragma unroll
-                for (uint32_t k = 0; k < 4; ++k)
-                    wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
-                ptx::wgmma_commit();
-                if (h == 1 && kb + 1 < num_kb)
-                    mbar_wait(&ss.full[(kb + 1) % kStages], ((kb + 1) / kStages) & 1);
-                ptx::wgmma_wait<0>();
-                fence_regs(part);
-                if (h == 1 && lane == 0)
-                    ptx::mbar_arrive(&ss.empty[s]);
-                promote(acc + 64 * h, part, sa0 * (h ? sb1 : sb0), sa1 * (h ? sb1 : sb0));
-            }
+            halves_block(ss, s, ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128), part, acc, sa0, sa1, sb0, sb1, lane,
+                         kb + 1 < num_kb ? &ss.full[(kb + 1) % kStages] : nullptr, ((kb + 1) / kStages) & 1);
             if (tile_kb != 0 && (kb + 1) % tile_kb == 0)
                 tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
         }
