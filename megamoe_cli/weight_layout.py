@@ -26,7 +26,7 @@ from .quant import MX_BLOCK, UE8M0_BIAS, e2m1_values, unpack_e2m1
 
 BLOCK_K = 128
 # MXFP4 stage: 256 rows x 64 bytes of e2m1 codes (fp4_stages: each row's four 32-code runs, their
-# words in FP4_RUN_ORDER, at slots FP4 run ^ fp4_run_slot_key(row)), then 256 rows x 4 scale indices
+# words in FP4_RUN_ORDER, at slots run ^ fp4_run_slot_key(row)), then 256 rows x 4 scale indices
 FP4_ROW_BYTES = BLOCK_K // 2
 FP4_SCALES_PER_ROW = BLOCK_K // MX_BLOCK
 assert FP4_STAGE_BYTES == BLOCK_N * (FP4_ROW_BYTES + FP4_SCALES_PER_ROW)

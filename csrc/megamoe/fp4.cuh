@@ -48,8 +48,8 @@ __device__ __forceinline__ uint2 fp4_table_entry(uint32_t index) {
 
 // Eight e2m1 codes (a word as weight_layout.fp4_words packs them: nibble k holds code k's
 // magnitude in bits 0-2 and one code's sign in bit 3, codes 0-3's at bits 7, 15, 23, 31, codes
-// 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes, codes 0-3 in `lo` and 4-7 in `hi`: the magnitudes by byte permutes of the scale's
-// table entry (each selector's nibbles with bit 3 clear: prmt would replicate a sign there), the
+// 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes, codes 0-3 in `lo` and 4-7 in `hi`: the
+// magnitudes by byte permutes of the scale's table entry (each selector's nibbles with bit 3 clear: prmt would replicate a sign there), the
 // signs ORed in at bit 7 of their bytes as they lie or after a 4-bit shift.  Seven instructions;
 // the mask is opaque to the compiler, which would otherwise narrow it into one mask per half.
 __device__ __forceinline__ void fp4_expand_word(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
