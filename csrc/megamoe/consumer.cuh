@@ -1,5 +1,6 @@
 // The consumer role (warpgroups 1 and 2): FP8 WGMMAs with per-128-K promotion over each tile
-// the producer streams in, the MXFP4 expansion of the weights to e4m3 in shared memory, the L1
+// the producer streams in, the MXFP4 expansion of the weights to e4m3 in shared memory (or, for
+// decode tiles of at most 16 rows, straight into register operands: run_tile_rs), the L1
 // SwiGLU/requant epilogue (handed to the publisher) and the L2 combine-push epilogue.  Knows
 // nothing about ranks except where the L2 epilogue pushes a finished row.
 #pragma once
@@ -374,6 +375,228 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     return kConsumerOk;
 }
 
+// ---- MXFP4 decode tiles with the weights as register operands ----------------------------------
+// A tile whose valid rows are among its first kRsTokens (a direct-pool block only at world size 1)
+// runs with the operands swapped: each WGMMA's A is 64 weight rows, expanded from the stage
+// straight into fragments (fp4_unit_fragments), and its B the block's first 16 rows
+// (m64n16k32): no e4m3 tile and a quarter of a 64-row tile's MMA and promotion work (PERF_NOTES
+// entries 95-96).  Warpgroup wg owns weight rows [128 wg, 128 wg + 128) as two 64-row units;
+// accumulator i of unit u is weight row 128 wg + 64 u + 16 warp + g + 8 ((i / 2) % 2) (g = lane
+// / 4) for token 8 (i / 4) + 2 t + i % 2 (t = lane % 4).  The epilogues transpose through e4m3
+// tile 0, which these tiles do not otherwise use, between barriers of both warpgroups.
+constexpr uint32_t kRsTokens = 16;
+constexpr uint32_t kRsStagingBytes = kRsTokens * kBlockN * 2;  // L2: BF16 [16 tokens][256 columns]
+static_assert(kRsStagingBytes + 8 * kRsTokens * sizeof(float) <= kSmemBBytes, "staging and amax in e4m3 tile 0");
+
+// L1: act = silu(gate) * up * routing weight per (channel, token), requantized per token over the
+// tile's 128 channels, stored at the pool columns epilogue_l1 uses (channel 8 g' + 2 q + e of a
+// 64-channel half at column 16 q + 2 g' + e), 16 rows of the block.
+template <typename Storage>
+__device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, const Tile& tile, float (&acc)[2][8],
+                                               uint32_t wg, uint32_t tid, uint32_t& l1_tiles) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const uint32_t m0 = tile.block * kBlockM;
+    const float* pool_weights = at<float>(p, p.off_l1_pool_weights) + m0;
+    float amax[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    #pragma unroll
+    for (uint32_t j = 0; j < 2; ++j) {
+        #pragma unroll
+        for (uint32_t e = 0; e < 2; ++e) {
+            const float weight = __ldcg(pool_weights + 8 * j + 2 * t + e);
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u) {
+                float& gate = acc[u][4 * j + e];  // row g: the gate; row g + 8 (slot + 2): its up
+                const float up = acc[u][4 * j + 2 + e];
+                if constexpr (kActivationClamp > 0.0f)
+                    gate = silu(fminf(gate, kActivationClamp)) * fminf(fmaxf(up, -kActivationClamp), kActivationClamp) *
+                           weight;
+                else
+                    gate = silu(gate) * up * weight;
+                amax[j][e] = fmaxf(amax[j][e], fabsf(gate));
+            }
+        }
+    }
+    #pragma unroll
+    for (uint32_t j = 0; j < 2; ++j)
+        #pragma unroll
+        for (uint32_t e = 0; e < 2; ++e)
+            #pragma unroll
+            for (uint32_t m = 4; m < 32; m *= 2)
+                amax[j][e] = fmaxf(amax[j][e], __shfl_xor_sync(0xffffffffu, amax[j][e], m));
+    uint8_t* staging = ss.b[0];
+    float* token_amax = reinterpret_cast<float*>(staging + kRsStagingBytes);  // [8 warps][16 tokens]
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);  // both K loops done: tile 0 is free
+    if (g == 0) {
+        #pragma unroll
+        for (uint32_t j = 0; j < 2; ++j)
+            #pragma unroll
+            for (uint32_t e = 0; e < 2; ++e)
+                token_amax[(4 * wg + warp) * kRsTokens + 8 * j + 2 * t + e] = amax[j][e];
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+    float* pool_sf = at<float>(p, p.off_l2_pool_sf) + static_cast<uint64_t>(tile.n) * p.num_max_pool_tokens + m0;
+    #pragma unroll
+    for (uint32_t j = 0; j < 2; ++j) {
+        #pragma unroll
+        for (uint32_t e = 0; e < 2; ++e) {
+            const uint32_t token = 8 * j + 2 * t + e;
+            float m = 0.0f;
+            #pragma unroll
+            for (uint32_t w = 0; w < 8; ++w)
+                m = fmaxf(m, token_amax[w * kRsTokens + token]);
+            const float sf = fmaxf(m, 1e-4f) / 448.0f, inv = 1.0f / sf;
+            if (wg == 0 && warp == 0 && g == 0)
+                pool_sf[token] = sf;
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u) {
+                const uint32_t column = 64 * wg + 16 * (g / 2) + 2 * (4 * u + warp) + g % 2;
+                staging[token * 128 + column] = __nv_cvt_float_to_fp8(acc[u][4 * j + e] * inv, __NV_SATFINITE, __NV_E4M3);
+            }
+        }
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+    {
+        const uint32_t token = tid / 8, piece = tid % 8;  // 16 rows x 8 pieces of 16 bytes
+        if (token < kRsTokens) {
+            uint8_t* pool = at<uint8_t>(p, p.off_l2_pool) + static_cast<uint64_t>(m0 + token) * kIntermediate + tile.n * 128;
+            *reinterpret_cast<uint4*>(pool + 16 * piece) =
+                ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(staging + token * 128 + 16 * piece));
+        }
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);  // staging read: the next tile may write tile 0
+    // The publication as epilogue_l1 does it (its NOTES)
+    ptx::fence_proxy_async_global();
+    const uint32_t seq = l1_tiles;
+    if (!publisher_caught_up(p, ss, seq))
+        return false;
+    ++l1_tiles;
+    if (tid % kNumConsumerThreads == 0)
+        ss.publish_slot[seq & 1] = make_uint4(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32), seq, 0);
+    publish_arrive(seq & 1);
+    return true;
+}
+
+// L2: BF16 outputs staged by token (W2's rows are permuted inside 32-row groups: weight row
+// 8 t' + 2 q' + e' of a group is output column 8 q' + 2 t' + e'), then each valid token's 512
+// bytes pushed by one warp, 16 bytes a lane, into its source rank's combine slot.
+template <typename Storage>
+__device__ __forceinline__ void rs_epilogue_l2(const Params& p, Storage& ss, const Tile& tile, const float (&acc)[2][8],
+                                               uint32_t wg, uint32_t tid) {
+    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(ss.b[0]);
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);  // both K loops done: tile 0 is free
+    #pragma unroll
+    for (uint32_t u = 0; u < 2; ++u) {
+        #pragma unroll
+        for (uint32_t i = 0; i < 8; ++i) {
+            const uint32_t row = 128 * wg + 64 * u + 16 * warp + g + 8 * ((i / 2) % 2), r = row % 32;
+            const uint32_t column = row - r + 8 * ((r % 8) / 2) + 2 * (r / 8) + r % 2;
+            staging[(8 * (i / 4) + 2 * t + i % 2) * kBlockN + column] = __float2bfloat16_rn(acc[u][i]);
+        }
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+    const uint32_t m0 = tile.block * kBlockM;
+    const int* meta = reinterpret_cast<const int*>(at<int4>(p, p.off_pool_src_meta) + m0);
+    __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
+    #pragma unroll
+    for (uint32_t k = 0; k < kRsTokens / 8; ++k) {
+        const uint32_t token = 4 * wg + warp + 8 * k;
+        if (tile.direct ? !ss.schedule.direct_row_valid(tile.expert, token) : token >= tile.rows)
+            continue;
+        const int3 src = make_int3(__ldcg(meta + 4 * token), __ldcg(meta + 4 * token + 1), __ldcg(meta + 4 * token + 2));
+        __nv_bfloat16* dst = combine +
+                             (static_cast<uint64_t>(src.z) * kNumMaxTokens + static_cast<uint32_t>(src.y)) * kHidden +
+                             tile.n * kBlockN;
+        dst = map_to_rank(p, dst, static_cast<uint32_t>(src.x));
+        *reinterpret_cast<uint4*>(dst + 8 * lane) =
+            ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(staging + token * kBlockN + 8 * lane));
+    }
+    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);  // staging read: the next tile may write tile 0
+}
+
+// One decode tile with the weights as register operands (see above); returns as run_tile does.
+template <typename Storage>
+__device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, const Tile& tile, uint32_t wg, uint32_t tid,
+                                                uint32_t& it, uint32_t& l1_tiles) {
+    if constexpr (kWeightFp4) {
+        const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+        const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+        float acc[2][8], part[2][8];
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t i = 0; i < 8; ++i)
+                acc[u][i] = 0.0f;
+        for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
+            const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
+            const uint32_t stage = it_uniform % kNumStages;
+            const uint32_t phase = (it / kNumStages) & 1;
+            if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
+                return phase;
+            const uint8_t* raw = ss.b_raw[stage];
+            uint32_t idx[2][2];
+            uint32_t low = 0;
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u) {
+                #pragma unroll
+                for (uint32_t r = 0; r < 2; ++r) {
+                    idx[u][r] = ptx::ld_shared_u32(raw + kFp4DataBytes + (128 * wg + 64 * u + 16 * warp + g + 8 * r) * 4);
+                    low |= __vcmpltu4(idx[u][r], kFp4FirstNormalIndex * 0x01010101u);
+                }
+            }
+            uint32_t a[2][4][4];
+            if (__any_sync(0xffffffffu, low != 0)) {
+                #pragma unroll
+                for (uint32_t u = 0; u < 2; ++u)
+                    fp4_unit_fragments<true>(raw, ss.fp4_table, 128 * wg + 64 * u + 16 * warp + g, t, idx[u], tile.is_l2, a[u]);
+            } else {
+                #pragma unroll
+                for (uint32_t u = 0; u < 2; ++u)
+                    fp4_unit_fragments<false>(raw, ss.fp4_table, 128 * wg + 64 * u + 16 * warp + g, t, idx[u], tile.is_l2, a[u]);
+            }
+            float sfa[2][2];
+            #pragma unroll
+            for (uint32_t j = 0; j < 2; ++j)
+                #pragma unroll
+                for (uint32_t e = 0; e < 2; ++e)
+                    sfa[j][e] = ptx::ld_shared_f32(&ss.sfa[stage][8 * j + 2 * t + e]);
+            const float sfb_gate = ptx::ld_shared_f32(&ss.sfb[stage][2 * wg]);
+            const float sfb_up = tile.is_l2 ? sfb_gate : ptx::ld_shared_f32(&ss.sfb[stage][2 * wg + 1]);
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.a[stage]);  // the block's rows 0-15
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u)
+                #pragma unroll
+                for (uint32_t i = 0; i < 8; ++i)
+                    ptx::warpgroup_fence_operand(part[u][i]);
+            ptx::wgmma_fence();
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u)
+                #pragma unroll
+                for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                    ptx::wgmma_m64n16k32_e4m3_rs(part[u], a[u][k], desc_b + 2 * k, k > 0 ? 1 : 0);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u)
+                #pragma unroll
+                for (uint32_t i = 0; i < 8; ++i)
+                    ptx::warpgroup_fence_operand(part[u][i]);
+            if (lane == 0)
+                release_stage(ss, stage);
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u)
+                #pragma unroll
+                for (uint32_t i = 0; i < 8; ++i)
+                    acc[u][i] = fmaf(part[u][i], sfa[i / 4][i % 2] * (((i / 2) % 2) ? sfb_up : sfb_gate), acc[u][i]);
+        }
+        if (tile.is_l2)
+            rs_epilogue_l2(p, ss, tile, acc, wg, tid);
+        else if (!rs_epilogue_l1(p, ss, tile, acc, wg, tid, l1_tiles))
+            return kConsumerPublisherLate;
+    }
+    return kConsumerOk;
+}
+
 __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
                                                   const ConsumerProfile& prof, uint32_t& l1_tiles) {
     float acc[64 * kNumHalvesPerWg], part[64];
@@ -402,7 +625,16 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         const Tile tile = unpack_tile(packed);
         MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile), tile.block);)
         uint32_t status;
-        if constexpr (kBlockM == 128) {
+        // (a direct-pool block's rows are the first ones only at world size 1: rank r's start at
+        // r * kDirectRowsPerSrc)
+        const bool rs_rows = tile.direct ? kNumRanks == 1 && !ss.schedule.direct_row_valid(tile.expert, kRsTokens)
+                                         : tile.rows <= kRsTokens;
+        if (kWeightFp4 && rs_rows) {
+            // MXFP4 decode tile: the weights as register operands (run_tile_rs); it reads no e4m3
+            // tile and its epilogue syncs both warpgroups before and after using tile 0
+            status = run_tile_rs(p, ss, tile, wg, tid, it, l1_tiles);
+            after_wide = false;
+        } else if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
             // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
             const bool narrow = tile.rows <= 64;

@@ -140,6 +140,36 @@ __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2*
         fp4_expand_rows<false, kRows>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
 }
 
+// The register-operand path (decode tiles of at most 16 rows, consumer.cuh run_tile_rs): the A
+// fragments of one 64-row unit of the stage for its four K steps, expanded straight from the
+// stored words.  Thread (warp w, lane l: g = l / 4, t = l % 4) holds rows first_row = unit + 16 w
+// + g and first_row + 8; a[s] = {row g K 32 s + 4 t.., row g + 8 the same, row g K 32 s + 16 + 4 t..,
+// row g + 8 the same} (wgmma's .e4m3 A fragment), which is word t of run s of each row.  `idx`:
+// the two rows' scale-index words; a word's scale is its run's (L1) or, in L2's permuted runs, the
+// group's run 2 (s / 2) + t / 2 (fp4_expand_part).  kTable as in fp4_expand_rows.
+template <bool kTable>
+__device__ __forceinline__ void fp4_unit_fragments(const uint8_t* raw, const uint2* table, uint32_t first_row, uint32_t t,
+                                                   const uint32_t (&idx)[2], bool is_l2, uint32_t (&a)[4][4]) {
+    uint32_t w[2][4];
+    #pragma unroll
+    for (uint32_t r = 0; r < 2; ++r) {
+        const uint32_t row = first_row + 8 * r;
+        #pragma unroll
+        for (uint32_t s = 0; s < 4; ++s)
+            w[r][s] = ptx::ld_shared_u32(raw + row * kFp4RowBytes + fp4_run_slot(row, s) * 16 + 4 * t);
+    }
+    #pragma unroll
+    for (uint32_t r = 0; r < 2; ++r) {
+        #pragma unroll
+        for (uint32_t s = 0; s < 4; ++s) {
+            const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;
+            const uint32_t index = (idx[r] >> (8 * byte)) & 0xffu;
+            const uint2 lut = kTable ? ptx::ld_shared_v2_u32(&table[index]) : fp4_entry(index);
+            fp4_expand_word(w[r][s], lut, a[s][r], a[s][2 + r]);
+        }
+    }
+}
+
 // Half `half` (128 rows) of the stage, by one warpgroup (fp4_expand_part)
 __device__ __forceinline__ void fp4_expand_half(const uint8_t* raw, const uint2* table, uint8_t* dst, uint32_t half,
                                                 bool is_l2, uint32_t tid) {

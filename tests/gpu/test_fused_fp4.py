@@ -62,6 +62,21 @@ def test_fp4_block_m_128(group, shape_name, num_tokens, num_stages):
         assert torch.equal(runner.y, y), "a rerun changed the result"
 
 
+# block_m 64 (the MXFP4 heuristic picks 128 from 2 tokens on): calls of at most 96 pairs per rank
+# run on the direct pool, whose blocks take the register-operand path at world size 1 (their valid
+# rows are the first ones there) and the stored tile at 2 ranks and up, where each source rank's
+# rows start at its own offset; 300 tokens mix full blocks with tails of at most 16 rows.
+@pytest.mark.parametrize("num_tokens", [1, 7, 24, 300], ids=lambda t: f"tokens{t}")
+def test_fp4_block_m_64(group, num_tokens):
+    if QUICK and num_tokens not in (1, 300):
+        pytest.skip("quick tier: two block_m 64 cases")
+    rank, world = rank_and_world(group)
+    problem = make_problem(SMALL, rank, world, num_tokens, num_tokens, "cuda", shared_seed(group))
+    runner, y = run_fused(problem, group, {"block_m": 64, "num_stages": 4, "cluster_m": 1})
+    assert (runner.config["block_m"], runner.config["cluster_m"]) == (64, 1)
+    check_against_reference(problem, group, y)
+
+
 def test_fp4_uneven_and_empty_ranks(group):
     check_uneven_and_empty_ranks(group, SMALL)
 
