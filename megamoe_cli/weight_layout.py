@@ -26,7 +26,8 @@ from .quant import MX_BLOCK, UE8M0_BIAS, e2m1_values, unpack_e2m1
 
 BLOCK_K = 128
 # MXFP4 stage: 256 rows x 64 bytes of e2m1 codes (fp4_stages: each row's four 32-code runs, their
-# words in FP4_RUN_ORDER, at slots run ^ fp4_run_slot_key(row)), then 256 rows x 4 scale indices
+# words in FP4_RUN_ORDER, regrouped so that 16-byte group t holds word t of every run, group t at
+# slot t ^ fp4_group_slot_key(row)), then 256 rows x 4 scale indices
 FP4_ROW_BYTES = BLOCK_K // 2
 FP4_SCALES_PER_ROW = BLOCK_K // MX_BLOCK
 assert FP4_STAGE_BYTES == BLOCK_N * (FP4_ROW_BYTES + FP4_SCALES_PER_ROW)
@@ -43,13 +44,15 @@ FP4_SIGN_SOURCE = (4, 0, 5, 1, 6, 2, 7, 3)
 # Inside each 32-code run, word t holds codes 4t..4t+3 and 16+4t..16+4t+3: the bytes one thread's
 # two A-fragment registers of a WGMMA K step hold (rows g, K 4t.. and 16 + 4t..), so weights can be
 # expanded straight into register operands; a stored e4m3 tile takes the words' low halves as the
-# run's first 16 bytes and their high halves as its last 16.
+# run's first 16 bytes and their high halves as its last 16.  A row stores word t of runs 0-3
+# together (group t): the thread of quad lane t loads its fragments of all four K steps at once.
 FP4_RUN_ORDER = tuple(k for t in range(4) for k in (*range(4 * t, 4 * t + 4), *range(16 + 4 * t, 20 + 4 * t)))
 
 
-def fp4_run_slot_key(row: int) -> int:
-    """Row ``row`` of a stage keeps run ``s`` at 16-byte slot ``s ^ fp4_run_slot_key(row)``: eight
-    consecutive rows' same-word loads (4 bytes a thread) then hit 32 different banks."""
+def fp4_group_slot_key(row: int) -> int:
+    """Row ``row`` of a stage keeps group ``t`` at 16-byte slot ``t ^ fp4_group_slot_key(row)``:
+    eight consecutive rows' loads of one group (the stored-tile expansion, a row a thread) then hit
+    eight different 16-byte bank groups."""
     return (row >> 1) & 3
 
 
@@ -111,14 +114,16 @@ def fp4_run_order(codes: torch.Tensor) -> torch.Tensor:
 def fp4_stages(codes: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Permuted e2m1 codes ``[E, N, K]`` and their runs' scale indices ``[E, N, K/32]`` ->
     ``uint8 [E, N/256, K/128, FP4_STAGE_BYTES]``: per stage the rows' words (fp4_words of the codes
-    in FP4_RUN_ORDER, run ``s`` of row ``r`` at slot ``s ^ fp4_run_slot_key(r)``), then the
-    indices."""
+    in FP4_RUN_ORDER; group ``t`` of row ``r``, word ``t`` of runs 0-3, at slot
+    ``t ^ fp4_group_slot_key(r)``), then the indices."""
     data = tile_stages(fp4_words(fp4_run_order(codes)), FP4_ROW_BYTES)
-    runs = data.view(*data.shape[:-1], FP4_SCALES_PER_ROW, FP4_ROW_BYTES // FP4_SCALES_PER_ROW)
-    slots = torch.tensor([[s ^ fp4_run_slot_key(r) for s in range(FP4_SCALES_PER_ROW)] for r in range(BLOCK_N)],
+    words = FP4_ROW_BYTES // FP4_SCALES_PER_ROW // 4  # words per run
+    runs = data.view(*data.shape[:-1], FP4_SCALES_PER_ROW, words, 4)
+    groups = runs.transpose(-3, -2).contiguous().view(*data.shape[:-1], words, FP4_SCALES_PER_ROW * 4)
+    slots = torch.tensor([[t ^ fp4_group_slot_key(r) for t in range(words)] for r in range(BLOCK_N)],
                          device=data.device)
-    # slot j of row r holds run j ^ key(r): gather by the inverse, which is the same XOR
-    data = torch.gather(runs, -2, slots.view(BLOCK_N, FP4_SCALES_PER_ROW, 1).expand(runs.shape)).view(data.shape)
+    # slot j of row r holds group j ^ key(r): gather by the inverse, which is the same XOR
+    data = torch.gather(groups, -2, slots.view(BLOCK_N, words, 1).expand(groups.shape)).view(data.shape)
     idx = tile_stages(indices.contiguous(), FP4_SCALES_PER_ROW)
     e, nt, kt = data.shape[:3]
     return torch.cat([data.reshape(e, nt, kt, -1), idx.reshape(e, nt, kt, -1)], dim=-1).contiguous()

@@ -63,7 +63,7 @@ for name in "${names[@]}"; do
   log="$scratch/$name.log"
   (cd "$tree" && eval "OVERSUB_RANKS=\"$ranks\" bash scripts/gpu_tests.sh $tests") > "$log" 2>&1
   rc=$?
-  grep -E "^=== |passed|failed" "$log" | grep -v "^=== world size [0-9].*: exit" | tail -6
+  grep -E "^=== |passed|failed|^FAILED" "$log" | grep -v "^=== world size [0-9].*: exit" | cut -c1-200 | tail -12
   if [ "$rc" -ne 0 ] && grep -qE "[0-9]+ failed" "$log"; then
     echo "=== mutant $name: killed"
   elif [ "$rc" -ne 0 ]; then

@@ -183,12 +183,14 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     logical (unswizzled) order, before the block scale."""
     expand = kernel_expand_word()
     tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
-    # the run whose scale index a word takes, as fp4_expand_part picks it (L2: permuted K columns),
-    # where the thread finds its run (fp4_run_slot), and where its words' halves go
-    assert "even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);" in FP4_SOURCE
-    assert "return run ^ ((row >> 1) & 3u);" in FP4_SOURCE and "fp4_run_slot(first_row, run) * 16" in FP4_SOURCE
+    # the run whose scale index a word takes, as fp4_expand_row picks it (L2: permuted K columns),
+    # where the thread finds its groups (fp4_group_slot), which word of a group is a run's, and
+    # where the words' halves go
+    assert "even = is_l2 ? run & 2u : run, odd = is_l2 ? (run & 2u) + 1 : run;" in FP4_SOURCE
+    assert "return group ^ ((row >> 1) & 3u);" in FP4_SOURCE and "fp4_group_slot(row, t) * 16" in FP4_SOURCE
+    assert "return run == 0 ? group.x : run == 1 ? group.y : run == 2 ? group.z : group.w;" in FP4_SOURCE
     for t, lut in enumerate(("lut0", "lut0", "lut1", "lut1")):
-        assert f"fp4_expand_word(w[j].{'xyzw'[t]}, {lut}, lo[{t}], hi[{t}]);" in FP4_SOURCE
+        assert f"fp4_expand_word(fp4_group_word(w[{t}], run), {lut}, lo[{t}], hi[{t}]);" in FP4_SOURCE
     assert "((2 * run) ^ swizzle) * 16, lo[0], lo[1], lo[2], lo[3]);" in FP4_SOURCE
     assert "((2 * run + 1) ^ swizzle) * 16, hi[0], hi[1], hi[2], hi[3]);" in FP4_SOURCE
     data = stage[: 256 * 64].view(256, 64)
@@ -197,12 +199,12 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     for row in range(256):
         words = data[row].view(torch.int32).tolist()
         for run in range(4):
-            slot = run ^ ((row >> 1) & 3)
             even = (run & 2) if is_l2 else run
             odd = (run & 2) + 1 if is_l2 else run
             for t in range(4):
+                slot = t ^ ((row >> 1) & 3)
                 lut = tables[int(idx[row, even if t < 2 else odd])]
-                lo, hi = expand(words[4 * slot + t] & 0xFFFFFFFF, lut)
+                lo, hi = expand(words[4 * slot + run] & 0xFFFFFFFF, lut)
                 out[row, 32 * run + 4 * t : 32 * run + 4 * t + 4] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)],
                                                                                  dtype=torch.uint8)
                 out[row, 32 * run + 16 + 4 * t : 32 * run + 20 + 4 * t] = torch.tensor(
@@ -245,14 +247,18 @@ def test_expanded_stages_equal_the_dequantized_weights(layer):
 
 
 def test_stage_words_are_wgmma_a_fragments():
-    """The stage layout's promise to a register-operand path (weight_layout.FP4_RUN_ORDER,
-    fp4_run_slot_key): the thread of quad lane t that holds rows g and g + 8 of a WGMMA m64nNk32
-    e4m3 A operand needs, for K step s, the bytes of K 32 s + 4 t .. + 3 (registers a0, a1) and
-    32 s + 16 + 4 t .. + 3 (a2, a3) of each row (PTX ISA, wgmma register fragments for .e4m3 A).
-    In the stage, word t of run s of a row, read at slot s ^ key(row), expands to exactly those: its
-    low half the first four, its high half the second.  And the eight rows a warp's lanes hold at
-    once load one word each from 32 different banks."""
+    """The stage layout's promise to the register-operand path (weight_layout.FP4_RUN_ORDER,
+    fp4_group_slot_key; fp4.cuh fp4_unit_fragments): the thread of quad lane t that holds rows g and
+    g + 8 of a WGMMA m64nNk32 e4m3 A operand needs, for K step s, the bytes of K 32 s + 4 t .. + 3
+    (registers a0, a1) and 32 s + 16 + 4 t .. + 3 (a2, a3) of each row (PTX ISA, wgmma register
+    fragments for .e4m3 A).  In the stage, word s of a row's group t, read at slot t ^ key(row),
+    expands to exactly those: its low half the first four, its high half the second.  And the
+    16-byte loads of both paths are free of bank conflicts: a quarter warp's eight lanes (the unit
+    of a 16-byte shared load) reach eight different 16-byte bank groups, whether they hold groups
+    0-3 of two rows (the register path) or one group of eight consecutive rows (the stored tile)."""
     expand = kernel_expand_word()
+    assert "fp4_group_slot(row, t) * 16));" in FP4_SOURCE
+    assert "fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);" in FP4_SOURCE
     torch.manual_seed(7)
     codes = torch.randint(0, 16, (1, 256, 128), dtype=torch.uint8)
     indices = torch.full((1, 256, 4), wl.FP4_SCALE_BIAS, dtype=torch.uint8)  # 2^0: e4m3 = the e2m1 value
@@ -262,19 +268,26 @@ def test_stage_words_are_wgmma_a_fragments():
     e4m3 = torch.tensor([e2m1_values(torch.tensor([c])).item() for c in range(16)]).to(torch.float8_e4m3fn)
     want_bytes = e4m3.view(torch.uint8)[codes[0].long()]  # [256, 128]
     for row in range(256):
-        for s in range(4):
-            slot = s ^ wl.fp4_run_slot_key(row)
-            for t in range(4):
-                lo, hi = expand(int(words[row, 4 * slot + t]) & 0xFFFFFFFF, lut)
+        for t in range(4):
+            slot = t ^ wl.fp4_group_slot_key(row)
+            for s in range(4):
+                lo, hi = expand(int(words[row, 4 * slot + s]) & 0xFFFFFFFF, lut)
                 got = [(lo >> 8 * k) & 0xFF for k in range(4)] + [(hi >> 8 * k) & 0xFF for k in range(4)]
                 want = want_bytes[row, 32 * s + 4 * t: 32 * s + 4 * t + 4].tolist() + \
                     want_bytes[row, 32 * s + 16 + 4 * t: 32 * s + 20 + 4 * t].tolist()
                 assert got == want, (row, s, t)
-    for first in range(0, 256, 8):
-        for s in range(4):
-            banks = {(row * 64 + 16 * (s ^ wl.fp4_run_slot_key(row)) + 4 * t) // 4 % 32
-                     for row in range(first, first + 8) for t in range(4)}
-            assert len(banks) == 32, (first, s)
+
+    def bank_group(row, t):
+        return (row * 64 + 16 * (t ^ wl.fp4_group_slot_key(row))) // 16 % 8
+
+    for first in range(0, 256, 16):  # a warp's 16 rows of a unit: lane l holds rows first + l / 4 and + 8
+        for r in (0, 8):
+            for quarter in range(4):
+                lanes = range(8 * quarter, 8 * quarter + 8)
+                assert len({bank_group(first + r + lane // 4, lane % 4) for lane in lanes}) == 8, (first, r, quarter)
+    for first in range(0, 256, 8):  # the stored tile: eight consecutive rows' group t
+        for t in range(4):
+            assert len({bank_group(row, t) for row in range(first, first + 8)}) == 8, (first, t)
 
 
 def test_transform_checks_formats_before_any_launch():

@@ -1,12 +1,13 @@
 // MXFP4 weights expanded to e4m3 on chip (SPEC §2b): the format's constants and the expansion of
-// one stored stage into the 128B-swizzled e4m3 tile that the FP8 WGMMAs read.  No kernel state:
-// the consumers (consumer.cuh) and the expansion microbenchmark (csrc/microbench/fp4_expand.cu)
-// run the same code.  The stage as megamoe_cli/weight_layout.py lays it out (fp4_stages):
-// kFp4StageRows rows x kFp4RowBytes bytes of codes, each row's four 32-code runs of 16 bytes at
-// slots run ^ fp4_run_slot_key(row), a run's word t holding codes 4t..4t+3 and 16+4t..16+4t+3
-// (FP4_RUN_ORDER: a WGMMA A fragment's two registers of one K step) as weight_layout.fp4_words
-// packs 8 codes; then kFp4StageRows rows x 4 scale indices (each run's exponent relative to its
-// 128x128 block's FP32 scale, biased by kFp4ScaleBias).
+// one stored stage into the 128B-swizzled e4m3 tile that the FP8 WGMMAs read, or straight into
+// WGMMA A fragments.  No kernel state: the consumers (consumer.cuh) and the expansion
+// microbenchmark (csrc/microbench/fp4_expand.cu) run the same code.  The stage as
+// megamoe_cli/weight_layout.py lays it out (fp4_stages): kFp4StageRows rows x kFp4RowBytes bytes
+// of codes, then kFp4StageRows rows x 4 scale indices (each run's exponent relative to its 128x128
+// block's FP32 scale, biased by kFp4ScaleBias).  Word t of 32-code run s holds codes 4t..4t+3 and
+// 16+4t..16+4t+3 (FP4_RUN_ORDER: a WGMMA A fragment's two registers of K step s) as
+// weight_layout.fp4_words packs 8 codes; a row's 16-byte group t holds word t of runs 0-3 (one
+// thread's fragments of all four K steps) and sits at slot t ^ fp4_group_slot_key(row).
 #pragma once
 #include <cuda_fp8.h>
 
@@ -27,9 +28,15 @@ constexpr int32_t kFp4ScaleBias = 25;
 // subnormals, flushes) from the table in shared memory.
 constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
 
-// The 16-byte slot of run `run` in stage row `row` (weight_layout.fp4_run_slot_key): eight
-// consecutive rows' 4-byte loads of one word spread over all 32 banks
-__device__ __forceinline__ uint32_t fp4_run_slot(uint32_t row, uint32_t run) { return run ^ ((row >> 1) & 3u); }
+// The 16-byte slot of group `group` in stage row `row` (weight_layout.fp4_group_slot_key): eight
+// consecutive rows' loads of one group, or of groups t = lane % 4 of two rows, are free of bank
+// conflicts
+__device__ __forceinline__ uint32_t fp4_group_slot(uint32_t row, uint32_t group) { return group ^ ((row >> 1) & 3u); }
+
+// Word `run` of a group (the group's words are runs 0-3's)
+__device__ __forceinline__ uint32_t fp4_group_word(const uint4& group, uint32_t run) {
+    return run == 0 ? group.x : run == 1 ? group.y : run == 2 ? group.z : group.w;
+}
 
 // Table entry i: the e4m3 bytes of the 8 e2m1 magnitudes times 2^(i - kFp4ScaleBias), codes 0-3
 // in .x and 4-7 in .y, rounded to nearest even where e4m3 has no exact value (subnormals,
@@ -73,30 +80,32 @@ __device__ __forceinline__ uint2 fp4_entry(uint32_t index) {
                       index * kFp4EntryStepHi + (kE2m1AsE4m3Hi - kBias * kFp4EntryStepHi));
 }
 
-// kRows rows of the thread (first_row + 8 j), run `run`'s four words `w` already loaded, into
-// the e4m3 tile `dst`, in the 128B-swizzled layout TMA would have written (16-byte unit u of row r
-// at unit u ^ (r % 8)): word t's low half is K 4t.. of the run, its high half K 16 + 4t.., so the
-// low halves fill the run's first unit and the high halves its second.  Words 0-1 take the
-// scale at even_shift, 2-3 the one at odd_shift (L2's permuted runs: fp4_expand_part).  kTable:
-// the entries from `table` (some index of the warp's rows is below kFp4FirstNormalIndex), else
-// computed.
-template <bool kTable, uint32_t kRows>
-__device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 (&w)[kRows], uint8_t* dst, uint32_t first_row,
-                                                const uint32_t (&indices)[kRows], uint32_t even_shift, uint32_t odd_shift,
-                                                uint32_t run) {
+// Runs [first_run, first_run + kRuns) of the thread's stage row `row`, its four groups `w`
+// already loaded, into the e4m3 tile `dst`, in the 128B-swizzled layout TMA would have written
+// (16-byte unit u of row r at unit u ^ (r % 8)): word t of a run expands to K 4t.. of the run
+// (low half) and K 16 + 4t.. (high half), so the low halves fill the run's first unit and the high
+// halves its second.  Words 0-1 take the scale index of byte `even`, 2-3 of byte `odd`: the run's
+// own in L1; in L2, whose K columns are permuted inside 64-column groups
+// (transform_weights_for_mega_moe), run s's columns with K % 16 < 8 hold channels of the group's
+// run 2 (s / 2), the rest of run 2 (s / 2) + 1.  kTable: the entries from `table` (some index of
+// the warp's rows is below kFp4FirstNormalIndex), else computed.
+template <bool kTable, uint32_t kRuns>
+__device__ __forceinline__ void fp4_expand_row(const uint2* table, const uint4 (&w)[4], uint8_t* dst, uint32_t row,
+                                               uint32_t indices, bool is_l2, uint32_t first_run) {
+    uint8_t* dst_row = dst + row * kFp4StageK;
+    const uint32_t swizzle = row % 8;
     #pragma unroll
-    for (uint32_t j = 0; j < kRows; ++j) {
-        const uint32_t row = first_row + 8 * j;
-        const uint32_t i0 = (indices[j] >> even_shift) & 0xffu, i1 = (indices[j] >> odd_shift) & 0xffu;
+    for (uint32_t i = 0; i < kRuns; ++i) {
+        const uint32_t run = first_run + i;
+        const uint32_t even = is_l2 ? run & 2u : run, odd = is_l2 ? (run & 2u) + 1 : run;
+        const uint32_t i0 = (indices >> (8 * even)) & 0xffu, i1 = (indices >> (8 * odd)) & 0xffu;
         const uint2 lut0 = kTable ? ptx::ld_shared_v2_u32(&table[i0]) : fp4_entry(i0);
         const uint2 lut1 = kTable ? ptx::ld_shared_v2_u32(&table[i1]) : fp4_entry(i1);
         uint32_t lo[4], hi[4];
-        fp4_expand_word(w[j].x, lut0, lo[0], hi[0]);
-        fp4_expand_word(w[j].y, lut0, lo[1], hi[1]);
-        fp4_expand_word(w[j].z, lut1, lo[2], hi[2]);
-        fp4_expand_word(w[j].w, lut1, lo[3], hi[3]);
-        uint8_t* dst_row = dst + row * kFp4StageK;
-        const uint32_t swizzle = row % 8;
+        fp4_expand_word(fp4_group_word(w[0], run), lut0, lo[0], hi[0]);
+        fp4_expand_word(fp4_group_word(w[1], run), lut0, lo[1], hi[1]);
+        fp4_expand_word(fp4_group_word(w[2], run), lut1, lo[2], hi[2]);
+        fp4_expand_word(fp4_group_word(w[3], run), lut1, lo[3], hi[3]);
         ptx::st_shared_v4_u32(dst_row + ((2 * run) ^ swizzle) * 16, lo[0], lo[1], lo[2], lo[3]);
         ptx::st_shared_v4_u32(dst_row + ((2 * run + 1) ^ swizzle) * 16, hi[0], hi[1], hi[2], hi[3]);
     }
@@ -104,59 +113,64 @@ __device__ __forceinline__ void fp4_expand_rows(const uint2* table, const uint4 
 
 // Expand part `part` of kParts (kFp4StageRows / kParts rows) of the stored stage `raw` into the
 // e4m3 tile `dst` (kFp4StageRows x kFp4StageK bytes), by the 128 threads of one warpgroup (`tid`
-// % 128).  Lane l takes 32-wide run l % 4 of rows part * R + warp * R / 4 + 8 j + l / 4 (R the
-// part's rows): a warp reads 512 contiguous bytes at a time and its stores cover every bank group
-// evenly.  L2's K columns are permuted inside 64-column groups (transform_weights_for_mega_moe):
-// run c's columns with K % 16 < 8 hold channels of the group's run 2 (c / 2), the rest of run
-// 2 (c / 2) + 1, so words 0-1 of run c take the first's scale and 2-3 the second's.
-// `table`: kFp4NumScales entries (fp4_table_entry).
+// % 128).  A thread takes whole rows (part rows + 128 j + tid % 128), or with kParts 4 two threads
+// share a row (runs 0-1 and 2-3): a warp reads its rows' groups at bank-spreading slots and its
+// stores of one unit index cover every bank group.  `table`: kFp4NumScales entries
+// (fp4_table_entry).
 template <uint32_t kParts>
 __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2* table, uint8_t* dst, uint32_t part,
                                                 bool is_l2, uint32_t tid) {
-    constexpr uint32_t kPartRows = kFp4StageRows / kParts, kRows = kPartRows / 32;  // rows per thread
-    static_assert(kPartRows % 32 == 0, "a part is a multiple of 32 rows");
-    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, run = lane % 4;
-    const uint32_t even_shift = 8 * (is_l2 ? run & 2u : run), odd_shift = 8 * (is_l2 ? (run & 2u) + 1 : run);
-    const uint32_t first_row = kPartRows * part + (kPartRows / 4) * warp + lane / 4;
+    constexpr uint32_t kPartRows = kFp4StageRows / kParts;
+    constexpr uint32_t kThreadsPerRow = kPartRows >= 128 ? 1 : 128 / kPartRows;
+    constexpr uint32_t kRows = kPartRows >= 128 ? kPartRows / 128 : 1;  // rows per thread
+    constexpr uint32_t kRuns = 4 / kThreadsPerRow;
+    static_assert(kPartRows % 128 == 0 || kThreadsPerRow == 2, "a part is a multiple of 128 rows, or 64");
+    const uint32_t first_row = kPartRows * part + (tid % 128) / kThreadsPerRow;
+    const uint32_t first_run = kThreadsPerRow == 1 ? 0 : 2 * (tid % 2);
     // Every load of the stage goes out before the vote on the scales, so the codes' round trip
     // through shared memory overlaps the indices' instead of following the branch (the loads are
     // volatile: the compiler keeps them where they are written).
     uint32_t indices[kRows];
-    uint4 w[kRows];
+    uint4 w[kRows][4];
     #pragma unroll
     for (uint32_t j = 0; j < kRows; ++j) {
-        indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + (first_row + 8 * j) * 4);
-        // (rows 8 apart share their slot key)
-        w[j] = ptx::ld_shared_v4_u32(
-            reinterpret_cast<const uint4*>(raw + (first_row + 8 * j) * kFp4RowBytes + fp4_run_slot(first_row, run) * 16));
+        const uint32_t row = first_row + 128 * j;
+        indices[j] = ptx::ld_shared_u32(raw + kFp4DataBytes + row * 4);
+        #pragma unroll
+        for (uint32_t t = 0; t < 4; ++t)
+            w[j][t] = ptx::ld_shared_v4_u32(
+                reinterpret_cast<const uint4*>(raw + row * kFp4RowBytes + fp4_group_slot(row, t) * 16));
     }
     uint32_t low = 0;
     #pragma unroll
     for (uint32_t j = 0; j < kRows; ++j)
         low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
-    if (__any_sync(0xffffffffu, low != 0))
-        fp4_expand_rows<true, kRows>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
-    else
-        fp4_expand_rows<false, kRows>(table, w, dst, first_row, indices, even_shift, odd_shift, run);
+    const bool table_path = __any_sync(0xffffffffu, low != 0);
+    #pragma unroll
+    for (uint32_t j = 0; j < kRows; ++j) {
+        if (table_path)
+            fp4_expand_row<true, kRuns>(table, w[j], dst, first_row + 128 * j, indices[j], is_l2, first_run);
+        else
+            fp4_expand_row<false, kRuns>(table, w[j], dst, first_row + 128 * j, indices[j], is_l2, first_run);
+    }
 }
 
 // The register-operand path (decode tiles of at most 16 rows, consumer.cuh run_tile_rs): the A
 // fragments of one 64-row unit of the stage for its four K steps, expanded straight from the
 // stored words.  Thread (warp w, lane l: g = l / 4, t = l % 4) holds rows first_row = unit + 16 w
 // + g and first_row + 8; a[s] = {row g K 32 s + 4 t.., row g + 8 the same, row g K 32 s + 16 + 4 t..,
-// row g + 8 the same} (wgmma's .e4m3 A fragment), which is word t of run s of each row.  `idx`:
-// the two rows' scale-index words; a word's scale is its run's (L1) or, in L2's permuted runs, the
-// group's run 2 (s / 2) + t / 2 (fp4_expand_part).  kTable as in fp4_expand_rows.
+// row g + 8 the same} (wgmma's .e4m3 A fragment), which is word t of run s of each row: the
+// rows' group t, one 16-byte load each.  `idx`: the two rows' scale-index words; a word's scale is
+// its run's (L1) or, in L2's permuted runs, the 64-column group's run 2 (s / 2) + t / 2
+// (fp4_expand_row).  kTable as in fp4_expand_row.
 template <bool kTable>
 __device__ __forceinline__ void fp4_unit_fragments(const uint8_t* raw, const uint2* table, uint32_t first_row, uint32_t t,
                                                    const uint32_t (&idx)[2], bool is_l2, uint32_t (&a)[4][4]) {
-    uint32_t w[2][4];
+    uint4 w[2];
     #pragma unroll
     for (uint32_t r = 0; r < 2; ++r) {
         const uint32_t row = first_row + 8 * r;
-        #pragma unroll
-        for (uint32_t s = 0; s < 4; ++s)
-            w[r][s] = ptx::ld_shared_u32(raw + row * kFp4RowBytes + fp4_run_slot(row, s) * 16 + 4 * t);
+        w[r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * kFp4RowBytes + fp4_group_slot(row, t) * 16));
     }
     #pragma unroll
     for (uint32_t r = 0; r < 2; ++r) {
@@ -165,7 +179,7 @@ __device__ __forceinline__ void fp4_unit_fragments(const uint8_t* raw, const uin
             const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;
             const uint32_t index = (idx[r] >> (8 * byte)) & 0xffu;
             const uint2 lut = kTable ? ptx::ld_shared_v2_u32(&table[index]) : fp4_entry(index);
-            fp4_expand_word(w[r][s], lut, a[s][r], a[s][2 + r]);
+            fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);
         }
     }
 }

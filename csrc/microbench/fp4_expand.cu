@@ -38,8 +38,8 @@
 //   rs16_packed    rs16 without the transposes: the stage as a host packing in fragment order would
 //                  store it (each thread's 16-byte load already holds its fragments' words)
 //   rs64_packed    rs64 the same way
-//   rs16_stage     rs16 on the kernel's stage layout (fp4.cuh: words in fragment order, runs at
-//                  swizzled slots): four 4-byte loads a row, no transposes
+//   rs16_stage     rs16 on the kernel's stage layout (fp4.cuh: each thread's fragment words one
+//                  16-byte group at a swizzled slot): one load a row, no transposes
 //   rs64_stage     rs64 the same way
 // (the rs modes time the computed-entry path: every scale normal)
 //   wide_c2        wide in 2-CTA clusters sharing the expansion: each CTA expands one 128-row half
@@ -257,16 +257,16 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], uint32_t q) {
 // runs: a[s] = {row g K 32 s + 4 t.., row g + 8 same, row g K 32 s + 16 + 4 t.., row g + 8 same}.
 // How a thread gets its words: kTransposed (rs16, rs64: its row's run t as one 16-byte load, then
 // quad_transpose), kVector (the _packed modes: the 16-byte load taken as word t of each run), or
-// kStage (the _stage modes: word t of each run from the kernel's stage layout, fp4.cuh, four 4-byte
-// loads from the runs' slots)
+// kStage (the _stage modes: the kernel's stage layout, fp4.cuh: group t, word t of each run, one
+// 16-byte load from its slot)
 enum class RsLoad { kTransposed, kVector, kStage };
 
 template <RsLoad kLoad>
 __device__ __forceinline__ void rs_row_words(const uint8_t* raw, uint32_t row, uint32_t t, uint32_t (&w)[4]) {
     if constexpr (kLoad == RsLoad::kStage) {
-        #pragma unroll
-        for (uint32_t s = 0; s < 4; ++s)
-            w[s] = ptx::ld_shared_u32(raw + row * megamoe::kFp4RowBytes + megamoe::fp4_run_slot(row, s) * 16 + 4 * t);
+        const uint4 v = ptx::ld_shared_v4_u32(
+            reinterpret_cast<const uint4*>(raw + row * megamoe::kFp4RowBytes + megamoe::fp4_group_slot(row, t) * 16));
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
     } else {
         const uint4 v = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * megamoe::kFp4RowBytes + 16 * t));
         w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
