@@ -107,6 +107,28 @@ struct ConsumerProfile {
 #endif
 };
 
+// Hands a finished L1 tile (its pool columns and scales written by every consumer thread) to the
+// publisher warp; false when the publisher has not caught up within the deadline.
+// NOTES: the L2 producer reads these columns with TMA (async proxy) after acquiring the block's
+// ready bit of this N tile, so every writer fences the proxies, then arrives at the publisher
+// warp's barrier; that warp's fence and relaxed OR publish the tile (a release pattern,
+// cumulative over every writer's stores through the barrier: publish_l1_tiles).  The consumers
+// go on to their next tile without waiting for each other or for the fence (notes entry 64: it
+// was a barrier of both warpgroups and thread 0's fence and OR).
+template <typename Storage>
+__device__ __forceinline__ bool publish_l1_tile(const Params& p, Storage& ss, const Tile& tile, uint32_t tid,
+                                                uint32_t& l1_tiles) {
+    ptx::fence_proxy_async_global();
+    const uint32_t seq = l1_tiles;
+    if (!publisher_caught_up(p, ss, seq))
+        return false;
+    ++l1_tiles;
+    if (tid % kNumConsumerThreads == 0)
+        ss.publish_slot[seq & 1] = make_uint4(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32), seq, 0);
+    publish_arrive(seq & 1);
+    return true;
+}
+
 // L1 epilogue: act = silu(gate) * up * routing weight, requantized to FP8 with one scale
 // per row per 128 channels.  Tile half c holds channels [64 c, 64 c + 64) of the tile's
 // 128; inside a half, accumulator column 16 g + i is gate channel 8 g + i, 16 g + 8 + i up.
@@ -191,22 +213,8 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
         pool_sf[r0] = sf[0];
         pool_sf[r0 + 8] = sf[1];
     }
-    // NOTES: the L2 producer reads these columns with TMA (async proxy) after acquiring the
-    // block's ready bit of this N tile, so every writer fences the proxies, then arrives at the
-    // publisher warp's barrier; that warp's fence and relaxed OR publish the tile (a release
-    // pattern, cumulative over every writer's stores through the barrier: publish_l1_tiles).
-    // The consumers go on to their next tile without waiting for each other or for the fence
-    // (notes entry 64: it was a barrier of both warpgroups and thread 0's fence and OR).
     MEGAMOE_PROF(if (prof.sampler) prof.counters[7] = clock64();)
-    ptx::fence_proxy_async_global();
-    const uint32_t seq = l1_tiles;
-    if (!publisher_caught_up(p, ss, seq))
-        return false;
-    ++l1_tiles;
-    if (tid % kNumConsumerThreads == 0)
-        ss.publish_slot[seq & 1] = make_uint4(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32), seq, 0);
-    publish_arrive(seq & 1);
-    return true;
+    return publish_l1_tile(p, ss, tile, tid, l1_tiles);
 }
 
 // L2 epilogue: BF16 rows pushed straight from the accumulators into the source rank's
@@ -464,16 +472,7 @@ __device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, con
         }
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);  // staging read: the next tile may write tile 0
-    // The publication as epilogue_l1 does it (its NOTES)
-    ptx::fence_proxy_async_global();
-    const uint32_t seq = l1_tiles;
-    if (!publisher_caught_up(p, ss, seq))
-        return false;
-    ++l1_tiles;
-    if (tid % kNumConsumerThreads == 0)
-        ss.publish_slot[seq & 1] = make_uint4(tile.block * kL2ReadyWords + tile.n / 32, 1u << (tile.n % 32), seq, 0);
-    publish_arrive(seq & 1);
-    return true;
+    return publish_l1_tile(p, ss, tile, tid, l1_tiles);
 }
 
 // L2: BF16 outputs staged by token (W2's rows are permuted inside 32-row groups: weight row
