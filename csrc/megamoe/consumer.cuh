@@ -102,6 +102,43 @@ struct ConsumerProfile {
     uint64_t* counters;  // ss.prof[wg]
     __device__ __forceinline__ ConsumerProfile(SharedStorage& ss, uint32_t wg, uint32_t tid)
         : sampler(tid % 128 == 0), counters(ss.prof[wg]) {}
+    // The accounting both tile paths (run_tile, run_tile_rs) share: the first two K blocks'
+    // time from the tile's start (call before K block kb's stage wait) ...
+    __device__ __forceinline__ void k_block_start(const Tile& tile, uint32_t kb) const {
+        if (sampler && kb == 2) {
+            const uint64_t head = clock64() - counters[8];
+            counters[11] += head;
+            if (tile.is_l2)
+                counters[12] += head;
+        }
+    }
+    // ... the main loop's end (returns the epilogue's start) ...
+    __device__ __forceinline__ uint64_t mainloop_end(const Tile& tile) const {
+        const uint64_t now = clock64();
+        if (sampler) {
+            counters[kProfMainloop] += now - counters[8];
+            if (!tile.is_l2)
+                counters[10] += now - counters[8];
+        }
+        return now;
+    }
+    // ... a span into slot `slot` ...
+    __device__ __forceinline__ void add(uint32_t slot, uint64_t since) const {
+        if (sampler)
+            counters[slot] += clock64() - since;
+    }
+    // ... and the epilogue's end (an L1 epilogue set counters[7] at its release: publish_l1_tile).
+    __device__ __forceinline__ void epilogue_end(const Tile& tile, uint64_t epilogue_start) const {
+        if (sampler && tile.is_l2) {
+            counters[kProfEpilogueL2] += clock64() - epilogue_start;
+            counters[kProfTilesL2] += 1;
+        } else if (sampler) {
+            counters[kProfEpilogueL1] += clock64() - epilogue_start;
+            counters[kProfTilesL1] += 1;
+            MEGAMOE_PROF_ADD(kProfEpilogueL1Math, counters[7] - epilogue_start);
+            MEGAMOE_PROF_ADD(kProfEpilogueL1Release, clock64() - counters[7]);
+        }
+    }
 #else
     __device__ __forceinline__ ConsumerProfile(SharedStorage&, uint32_t, uint32_t) {}
 #endif
@@ -117,7 +154,8 @@ struct ConsumerProfile {
 // was a barrier of both warpgroups and thread 0's fence and OR).
 template <typename Storage>
 __device__ __forceinline__ bool publish_l1_tile(const Params& p, Storage& ss, const Tile& tile, uint32_t tid,
-                                                uint32_t& l1_tiles) {
+                                                const ConsumerProfile& prof, uint32_t& l1_tiles) {
+    MEGAMOE_PROF(if (prof.sampler) prof.counters[7] = clock64();)
     ptx::fence_proxy_async_global();
     const uint32_t seq = l1_tiles;
     if (!publisher_caught_up(p, ss, seq))
@@ -213,8 +251,7 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
         pool_sf[r0] = sf[0];
         pool_sf[r0 + 8] = sf[1];
     }
-    MEGAMOE_PROF(if (prof.sampler) prof.counters[7] = clock64();)
-    return publish_l1_tile(p, ss, tile, tid, l1_tiles);
+    return publish_l1_tile(p, ss, tile, tid, prof, l1_tiles);
 }
 
 // L2 epilogue: BF16 rows pushed straight from the accumulators into the source rank's
@@ -285,13 +322,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
         const uint32_t stage = it_uniform % kNumStages;
         const uint32_t phase = (it / kNumStages) & 1;
-        MEGAMOE_PROF(if (prof.sampler && kb == 2) {
-            const uint64_t head = clock64() - prof_c[8];
-            prof_c[11] += head;
-            if (tile.is_l2)
-                prof_c[12] += head;
-        })
-        MEGAMOE_PROF(const uint64_t prof_t1 = clock64();)
+        MEGAMOE_PROF(prof.k_block_start(tile, kb); const uint64_t prof_t1 = clock64();)
         if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
             return phase;
         MEGAMOE_PROF(if (prof.sampler) prof_c[kProfStageWait] += clock64() - prof_t1;)
@@ -362,24 +393,12 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
             }
         }
     }
-    MEGAMOE_PROF(const uint64_t prof_t2 = clock64(); if (prof.sampler) {
-        prof_c[kProfMainloop] += prof_t2 - prof_c[8];
-        if (!tile.is_l2)
-            prof_c[10] += prof_t2 - prof_c[8];
-    })
+    MEGAMOE_PROF(const uint64_t prof_t2 = prof.mainloop_end(tile);)
     if (tile.is_l2)
         epilogue_l2(p, ss, tile, acc, slice, tid, in);
     else if (!epilogue_l1(p, ss, tile, acc, slice, tid, in, prof, l1_tiles))
         return kConsumerPublisherLate;
-    MEGAMOE_PROF(if (prof.sampler && tile.is_l2) {
-        prof_c[kProfEpilogueL2] += clock64() - prof_t2;
-        prof_c[kProfTilesL2] += 1;
-    } else if (prof.sampler) {
-        prof_c[kProfEpilogueL1] += clock64() - prof_t2;
-        prof_c[kProfTilesL1] += 1;
-        MEGAMOE_PROF_ADD(kProfEpilogueL1Math, prof_c[7] - prof_t2);
-        MEGAMOE_PROF_ADD(kProfEpilogueL1Release, clock64() - prof_c[7]);
-    })
+    MEGAMOE_PROF(prof.epilogue_end(tile, prof_t2);)
     return kConsumerOk;
 }
 
@@ -401,7 +420,7 @@ static_assert(kRsStagingBytes + 8 * kRsTokens * sizeof(float) <= kSmemBBytes, "s
 // 64-channel half at column 16 q + 2 g' + e), 16 rows of the block.
 template <typename Storage>
 __device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, const Tile& tile, float (&acc)[2][8],
-                                               uint32_t wg, uint32_t tid, uint32_t& l1_tiles) {
+                                               uint32_t wg, uint32_t tid, const ConsumerProfile& prof, uint32_t& l1_tiles) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const uint32_t m0 = tile.block * kBlockM;
     const float* pool_weights = at<float>(p, p.off_l1_pool_weights) + m0;
@@ -472,7 +491,7 @@ __device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, con
         }
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);  // staging read: the next tile may write tile 0
-    return publish_l1_tile(p, ss, tile, tid, l1_tiles);
+    return publish_l1_tile(p, ss, tile, tid, prof, l1_tiles);
 }
 
 // L2: BF16 outputs staged by token (W2's rows are permuted inside 32-row groups: weight row
@@ -516,7 +535,7 @@ __device__ __forceinline__ void rs_epilogue_l2(const Params& p, Storage& ss, con
 // One decode tile with the weights as register operands (see above); returns as run_tile does.
 template <typename Storage>
 __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, const Tile& tile, uint32_t wg, uint32_t tid,
-                                                uint32_t& it, uint32_t& l1_tiles) {
+                                                uint32_t& it, const ConsumerProfile& prof, uint32_t& l1_tiles) {
     if constexpr (kWeightFp4) {
         const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
         const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
@@ -530,8 +549,10 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
             const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
             const uint32_t stage = it_uniform % kNumStages;
             const uint32_t phase = (it / kNumStages) & 1;
+            MEGAMOE_PROF(prof.k_block_start(tile, kb); const uint64_t prof_t1 = clock64();)
             if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
                 return phase;
+            MEGAMOE_PROF(prof.add(kProfStageWait, prof_t1); const uint64_t prof_t3 = clock64();)
             const uint8_t* raw = ss.b_raw[stage];
             uint32_t idx[2][2];
             uint32_t low = 0;
@@ -553,6 +574,7 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
                 for (uint32_t u = 0; u < 2; ++u)
                     fp4_unit_fragments<false>(raw, ss.fp4_table, 128 * wg + 64 * u + 16 * warp + g, t, idx[u], tile.is_l2, a[u]);
             }
+            MEGAMOE_PROF(prof.add(14, prof_t3);)  // the fragments' loads and expansion: FP4_EXPAND
             float sfa[2][2];
             #pragma unroll
             for (uint32_t j = 0; j < 2; ++j)
@@ -574,7 +596,9 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
                 for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
                     ptx::wgmma_m64n16k32_e4m3_rs(part[u], a[u][k], desc_b + 2 * k, k > 0 ? 1 : 0);
             ptx::wgmma_commit();
+            MEGAMOE_PROF(const uint64_t prof_t5 = clock64();)
             ptx::wgmma_wait<0>();
+            MEGAMOE_PROF(prof.add(13, prof_t5);)  // MMA_WAIT
             #pragma unroll
             for (uint32_t u = 0; u < 2; ++u)
                 #pragma unroll
@@ -588,10 +612,12 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
                 for (uint32_t i = 0; i < 8; ++i)
                     acc[u][i] = fmaf(part[u][i], sfa[i / 4][i % 2] * (((i / 2) % 2) ? sfb_up : sfb_gate), acc[u][i]);
         }
+        MEGAMOE_PROF(const uint64_t prof_t2 = prof.mainloop_end(tile);)
         if (tile.is_l2)
             rs_epilogue_l2(p, ss, tile, acc, wg, tid);
-        else if (!rs_epilogue_l1(p, ss, tile, acc, wg, tid, l1_tiles))
+        else if (!rs_epilogue_l1(p, ss, tile, acc, wg, tid, prof, l1_tiles))
             return kConsumerPublisherLate;
+        MEGAMOE_PROF(prof.epilogue_end(tile, prof_t2);)
     }
     return kConsumerOk;
 }
@@ -631,7 +657,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         if (kWeightFp4 && rs_rows) {
             // MXFP4 decode tile: the weights as register operands (run_tile_rs); it reads no e4m3
             // tile and its epilogue syncs both warpgroups before and after using tile 0
-            status = run_tile_rs(p, ss, tile, wg, tid, it, l1_tiles);
+            status = run_tile_rs(p, ss, tile, wg, tid, it, prof, l1_tiles);
             after_wide = false;
         } else if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
