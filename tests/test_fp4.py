@@ -2,6 +2,7 @@
 on-chip expansion to e4m3, emulated bit for bit from the constants in csrc/megamoe/fp4.cuh, the
 SwiGLU clamp in the reference, and the errors bad weights get before any launch."""
 
+import itertools
 import math
 import re
 
@@ -27,6 +28,7 @@ from megamoe_cli.quant import (
 from megamoe_cli.reference import moe_reference, moe_reference_distributed, moe_reference_loop
 
 FP4_SOURCE = (csrc_dir() / "megamoe" / "fp4.cuh").read_text()
+CONSUMER_SOURCE = (csrc_dir() / "megamoe" / "consumer.cuh").read_text()
 SMALL_FP4 = MoEShape(hidden=512, intermediate=256, num_experts=8, num_topk=2, weights="fp4")
 
 
@@ -288,6 +290,39 @@ def test_stage_words_are_wgmma_a_fragments():
     for first in range(0, 256, 8):  # the stored tile: eight consecutive rows' group t
         for t in range(4):
             assert len({bank_group(row, t) for row in range(first, first + 8)}) == 8, (first, t)
+
+
+def _c_expression(source: str, pattern: str) -> str:
+    """The right-hand side of the one C++ line matching ``pattern``, as Python (unsigned ``/`` ->
+    ``//``)."""
+    found = re.findall(pattern, source)
+    assert len(found) == 1, (pattern, found)
+    return found[0].replace(" / ", " // ")
+
+
+def test_register_path_epilogues_store_where_the_layout_expects():
+    """The register-operand decode tiles' epilogues (consumer.cuh rs_epilogue_l1 / _l2) put each
+    value where the weight layout expects it.  L1: a thread's accumulator rows g and g + 8 of warp
+    `warp`, unit `u`, warpgroup `wg` are tile rows 128 wg + 64 u + 16 warp + g (+ 8), which after
+    permute_l1_rows are gate (and up) channel 8 (8 wg + 4 u + warp) + g of the tile's 128; its
+    activation must land at the pool column W2's permuted K columns (permute_l2_columns) read that
+    channel from.  L2: W2 row `row` holds output channel permute_l2_rows's source of that row,
+    which is the column the staged output must go to."""
+    e = 1
+    channels = torch.arange(2 * 128).view(1, 2 * 128, 1)  # one tile's 256 rows: 128 gate, 128 up
+    l1_rows = wl.permute_l1_rows(channels.expand(e, 256, 128)).view(256, 128)[:, 0]
+    pool_channel = wl.permute_l2_columns(torch.arange(128).view(1, 1, 128).expand(1, 32, 128))[0, 0]  # column -> channel
+    column_expr = _c_expression(CONSUMER_SOURCE, r"const uint32_t column = (64 \* wg [^;]*);")
+    for wg, u, warp, g in itertools.product(range(2), range(2), range(4), range(8)):
+        row = 128 * wg + 64 * u + 16 * warp + g
+        gate, up = int(l1_rows[row]), int(l1_rows[row + 8])
+        assert gate < 128 and up == gate + 128, (row, gate, up)  # rows g / g + 8: a channel's gate and up
+        column = eval(column_expr, {"wg": wg, "u": u, "warp": warp, "g": g})
+        assert int(pool_channel[column]) == gate, (wg, u, warp, g, column)
+    out_channel = wl.permute_l2_rows(torch.arange(256).view(1, 256, 1).expand(1, 256, 8))[0, :, 0]  # row -> channel
+    l2_expr = _c_expression(CONSUMER_SOURCE, r"const uint32_t column = (row - r [^;]*);")
+    for row in range(256):
+        assert eval(l2_expr, {"row": row, "r": row % 32}) == int(out_channel[row]), row
 
 
 def test_transform_checks_formats_before_any_launch():
