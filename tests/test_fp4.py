@@ -214,11 +214,40 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     return out.view(torch.float8_e4m3fn).float()
 
 
+def emulate_fragments(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
+    """The same stage as the register-operand path expands it (fp4.cuh fp4_unit_fragments): the
+    thread of quad lane t loads group t of a row, and word s of it, with the scale index of byte
+    s (L1) or (s & 2) | (t >> 1) (L2), expands to the row's K 32 s + 4 t .. + 3 (its A fragment's
+    low register) and 32 s + 16 + 4 t .. (high); returned in logical K order like emulate_stage."""
+    expand = kernel_expand_word()
+    tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
+    assert "const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;" in FP4_SOURCE
+    assert "raw + row * kFp4RowBytes + fp4_group_slot(row, t) * 16));" in FP4_SOURCE
+    assert "fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);" in FP4_SOURCE
+    data = stage[: 256 * 64].view(256, 64)
+    idx = stage[256 * 64 :].view(256, 4)
+    out = torch.empty(256, 128, dtype=torch.uint8)
+    for row in range(256):
+        words = data[row].view(torch.int32).tolist()
+        for t in range(4):
+            slot = t ^ ((row >> 1) & 3)
+            for s in range(4):
+                byte = ((s & 2) | (t >> 1)) if is_l2 else s
+                lo, hi = expand(words[4 * slot + s] & 0xFFFFFFFF, tables[int(idx[row, byte])])
+                out[row, 32 * s + 4 * t : 32 * s + 4 * t + 4] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)],
+                                                                             dtype=torch.uint8)
+                out[row, 32 * s + 16 + 4 * t : 32 * s + 20 + 4 * t] = torch.tensor(
+                    [(hi >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
+    return out.view(torch.float8_e4m3fn).float()
+
+
+@pytest.mark.parametrize("path", ["stored_tile", "register_fragments"])
 @pytest.mark.parametrize("layer", ["l1", "l2"])
-def test_expanded_stages_equal_the_dequantized_weights(layer):
-    """Every value the kernel would feed the tensor cores, times its block's FP32 scale, equals
-    the exact dequantized weight where its run lies at most 8 binades below the block's largest,
-    and lies within 2^-10 of the block's scale (half an e4m3 subnormal step) further below."""
+def test_expanded_stages_equal_the_dequantized_weights(layer, path):
+    """Every value the kernel would feed the tensor cores, from a stored e4m3 tile or straight as
+    WGMMA A fragments, times its block's FP32 scale, equals the exact dequantized weight where its
+    run lies at most 8 binades below the block's largest, and lies within 2^-10 of the block's
+    scale (half an e4m3 subnormal step) further below."""
     torch.manual_seed(1)
     e, n, k = 1, 256, 256
     w = torch.randn(e, n, k) * torch.exp2(12 - torch.randint(0, 22, (e, n, k // 32)).float()).repeat_interleave(32, dim=2)
@@ -241,7 +270,8 @@ def test_expanded_stages_equal_the_dequantized_weights(layer):
     assert (rel_perm <= wl.FP4_MAX_REL_EXP).all() and (rel_perm < -12).any() and (rel_perm >= -8).float().mean() > 0.3
     for kb in range(k // 128):
         cols = slice(128 * kb, 128 * kb + 128)
-        got = emulate_stage(stages[0, 0, kb], layer == "l2") * torch.exp2(b_perm[:, cols].float())
+        emulate = emulate_stage if path == "stored_tile" else emulate_fragments
+        got = emulate(stages[0, 0, kb], layer == "l2") * torch.exp2(b_perm[:, cols].float())
         exact = rel_perm[:, cols] >= -8
         assert torch.equal(got[exact], want[:, cols][exact]), "an exactly representable weight changed"
         bound = torch.exp2(b_perm[:, cols].float() - 10)
