@@ -35,7 +35,7 @@ def test_every_shipped_sweep_loads(path):
 
 def test_shipped_sweeps_cover_what_the_benchmarks_need():
     names = {p.stem for p in SWEEPS.glob("*.yaml")}
-    assert {"decode", "prefill", "seed_default", "cpu_smoke", "block_m"} <= names
+    assert {"decode", "prefill", "seed_default", "cpu_smoke", "block_m", "mxfp4"} <= names
     decode = load_sweep(SWEEPS / "decode.yaml")
     assert sorted({p.num_tokens for p in decode.points}) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert {p.backend for p in decode.points} == {"fused", "torch"}
@@ -45,6 +45,13 @@ def test_shipped_sweeps_cover_what_the_benchmarks_need():
     assert sorted({p.num_tokens for p in seed.points}) == [8, 128, 1024, 8192]
     smoke = load_sweep(SWEEPS / "cpu_smoke.yaml")
     assert {p.backend for p in smoke.points} == {"reference", "torch"}
+    # The MXFP4 table: every shape in both formats, decode to prefill, fused beside the baseline
+    mx = load_sweep(SWEEPS / "mxfp4.yaml")
+    assert {(p.hidden, p.num_experts, p.weights) for p in mx.points} == {
+        (h, e, w) for h, e in ((7168, 256), (7168, 384), (4096, 256)) for w in ("fp8", "fp4")}
+    assert {p.activation_clamp for p in mx.points if p.num_experts == 384} == {10.0}
+    assert sorted({p.num_tokens for p in mx.points}) == [1, 8, 32, 128, 8192]
+    assert {p.backend for p in mx.points} == {"fused-graph", "torch-graph"} and all(p.flush_l2 for p in mx.points)
 
 
 def test_expansion_order_and_block_m_only_on_fused():
