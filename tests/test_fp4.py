@@ -180,11 +180,32 @@ def test_computed_entries_equal_the_table_where_the_kernel_computes_them():
     assert entry(first - 1) != table_entry(first - 1)
 
 
+def _expand_words(stage: torch.Tensor, byte_of) -> torch.Tensor:
+    """One MXFP4 stage's words expanded with the kernel's word expansion and table entries, word t
+    of run `run` (group t's word `run`, at slot t ^ ((row >> 1) & 3)) with the scale index in byte
+    ``byte_of(run, t)`` of its row's index word, into logical K order: its low four e4m3 bytes are
+    K 32 run + 4 t .., its high four K 32 run + 16 + 4 t .. (FP4_RUN_ORDER).  As floats."""
+    expand = kernel_expand_word()
+    tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
+    data = stage[: 256 * 64].view(256, 64)
+    idx = stage[256 * 64 :].view(256, 4)
+    out = torch.empty(256, 128, dtype=torch.uint8)
+    for row in range(256):
+        words = data[row].view(torch.int32).tolist()
+        for t in range(4):
+            slot = t ^ ((row >> 1) & 3)
+            for run in range(4):
+                lo, hi = expand(words[4 * slot + run] & 0xFFFFFFFF, tables[int(idx[row, byte_of(run, t)])])
+                out[row, 32 * run + 4 * t : 32 * run + 4 * t + 4] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)],
+                                                                                 dtype=torch.uint8)
+                out[row, 32 * run + 16 + 4 * t : 32 * run + 20 + 4 * t] = torch.tensor(
+                    [(hi >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
+    return out.view(torch.float8_e4m3fn).float()
+
+
 def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     """One MXFP4 stage -> the 256 x 128 e4m3 values (as floats) the kernel expands it to, in
     logical (unswizzled) order, before the block scale."""
-    expand = kernel_expand_word()
-    tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
     # the run whose scale index a word takes, as fp4_expand_row picks it (L2: permuted K columns),
     # where the thread finds its groups (fp4_group_slot), which word of a group is a run's, and
     # where the words' halves go
@@ -195,23 +216,12 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
         assert f"fp4_expand_word(fp4_group_word(w[{t}], run), {lut}, lo[{t}], hi[{t}]);" in FP4_SOURCE
     assert "((2 * run) ^ swizzle) * 16, lo[0], lo[1], lo[2], lo[3]);" in FP4_SOURCE
     assert "((2 * run + 1) ^ swizzle) * 16, hi[0], hi[1], hi[2], hi[3]);" in FP4_SOURCE
-    data = stage[: 256 * 64].view(256, 64)
-    idx = stage[256 * 64 :].view(256, 4)
-    out = torch.empty(256, 128, dtype=torch.uint8)
-    for row in range(256):
-        words = data[row].view(torch.int32).tolist()
-        for run in range(4):
-            even = (run & 2) if is_l2 else run
-            odd = (run & 2) + 1 if is_l2 else run
-            for t in range(4):
-                slot = t ^ ((row >> 1) & 3)
-                lut = tables[int(idx[row, even if t < 2 else odd])]
-                lo, hi = expand(words[4 * slot + run] & 0xFFFFFFFF, lut)
-                out[row, 32 * run + 4 * t : 32 * run + 4 * t + 4] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)],
-                                                                                 dtype=torch.uint8)
-                out[row, 32 * run + 16 + 4 * t : 32 * run + 20 + 4 * t] = torch.tensor(
-                    [(hi >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
-    return out.view(torch.float8_e4m3fn).float()
+
+    def byte_of(run, t):  # words 0-1 take the scale of byte `even`, 2-3 of `odd`
+        even, odd = ((run & 2), (run & 2) + 1) if is_l2 else (run, run)
+        return even if t < 2 else odd
+
+    return _expand_words(stage, byte_of)
 
 
 def emulate_fragments(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
@@ -219,26 +229,10 @@ def emulate_fragments(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     thread of quad lane t loads group t of a row, and word s of it, with the scale index of byte
     s (L1) or (s & 2) | (t >> 1) (L2), expands to the row's K 32 s + 4 t .. + 3 (its A fragment's
     low register) and 32 s + 16 + 4 t .. (high); returned in logical K order like emulate_stage."""
-    expand = kernel_expand_word()
-    tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
     assert "const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;" in FP4_SOURCE
     assert "raw + row * kFp4RowBytes + fp4_group_slot(row, t) * 16));" in FP4_SOURCE
     assert "fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);" in FP4_SOURCE
-    data = stage[: 256 * 64].view(256, 64)
-    idx = stage[256 * 64 :].view(256, 4)
-    out = torch.empty(256, 128, dtype=torch.uint8)
-    for row in range(256):
-        words = data[row].view(torch.int32).tolist()
-        for t in range(4):
-            slot = t ^ ((row >> 1) & 3)
-            for s in range(4):
-                byte = ((s & 2) | (t >> 1)) if is_l2 else s
-                lo, hi = expand(words[4 * slot + s] & 0xFFFFFFFF, tables[int(idx[row, byte])])
-                out[row, 32 * s + 4 * t : 32 * s + 4 * t + 4] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)],
-                                                                             dtype=torch.uint8)
-                out[row, 32 * s + 16 + 4 * t : 32 * s + 20 + 4 * t] = torch.tensor(
-                    [(hi >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
-    return out.view(torch.float8_e4m3fn).float()
+    return _expand_words(stage, lambda s, t: ((s & 2) | (t >> 1)) if is_l2 else s)
 
 
 @pytest.mark.parametrize("path", ["stored_tile", "register_fragments"])

@@ -301,6 +301,26 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 constexpr uint32_t kConsumerOk = 0xffffffffu;
 constexpr uint32_t kConsumerPublisherLate = 0xfffffffeu;  // publisher_caught_up timed out
 
+// K block `it` of a warpgroup's stream: its stage and parity, and the wait for the producer to
+// fill it (both tile paths).  The index is shuffled so ptxas sees a warp-uniform stage: the WGMMA
+// descriptors are then built in uniform registers (32 R2UR and ~50 instructions fewer per K
+// block; notes entry 26).
+struct KBlock {
+    uint32_t it_uniform, stage, phase;
+    __device__ __forceinline__ explicit KBlock(uint32_t it)
+        : it_uniform(__shfl_sync(0xffffffffu, it, 0)), stage(it_uniform % kNumStages), phase((it / kNumStages) & 1) {}
+    // false: the wait timed out (the caller returns `phase` for consumer_loop to report)
+    template <typename Storage>
+    __device__ __forceinline__ bool wait_full(const Params& p, Storage& ss, const Tile& tile, uint32_t kb,
+                                              const ConsumerProfile& prof) const {
+        MEGAMOE_PROF(prof.k_block_start(tile, kb); const uint64_t prof_t1 = clock64();)
+        if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
+            return false;
+        MEGAMOE_PROF(prof.add(kProfStageWait, prof_t1);)
+        return true;
+    }
+};
+
 // One tile: main loop and epilogue, for the warpgroup's slice of it.
 template <bool kNarrow>
 __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss, const Tile& tile, uint32_t wg,
@@ -317,15 +337,10 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
         acc[i] = 0.0f;
     for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-        // Shuffled so ptxas sees a warp-uniform stage: the WGMMA descriptors are then built
-        // in uniform registers (32 R2UR and ~50 instructions fewer per K block; notes entry 26).
-        const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
-        const uint32_t stage = it_uniform % kNumStages;
-        const uint32_t phase = (it / kNumStages) & 1;
-        MEGAMOE_PROF(prof.k_block_start(tile, kb); const uint64_t prof_t1 = clock64();)
-        if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
-            return phase;
-        MEGAMOE_PROF(if (prof.sampler) prof_c[kProfStageWait] += clock64() - prof_t1;)
+        const KBlock k_block(it);
+        if (!k_block.wait_full(p, ss, tile, kb, prof))
+            return k_block.phase;
+        const uint32_t it_uniform = k_block.it_uniform, stage = k_block.stage;
         // MXFP4: warpgroup wg expands B half wg into e4m3 tile it % 2, then a barrier orders
         // the expansion (and every warp's proxy fence) before the WGMMAs that read it: the
         // warpgroup's own when it reads only that half (split columns), both warpgroups' when
@@ -546,13 +561,11 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
             for (uint32_t i = 0; i < 8; ++i)
                 acc[u][i] = 0.0f;
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
-            const uint32_t it_uniform = __shfl_sync(0xffffffffu, it, 0);
-            const uint32_t stage = it_uniform % kNumStages;
-            const uint32_t phase = (it / kNumStages) & 1;
-            MEGAMOE_PROF(prof.k_block_start(tile, kb); const uint64_t prof_t1 = clock64();)
-            if (!mbar_wait_or_timeout(p, &ss.full[stage], phase))
-                return phase;
-            MEGAMOE_PROF(prof.add(kProfStageWait, prof_t1); const uint64_t prof_t3 = clock64();)
+            const KBlock k_block(it);
+            if (!k_block.wait_full(p, ss, tile, kb, prof))
+                return k_block.phase;
+            const uint32_t stage = k_block.stage;
+            MEGAMOE_PROF(const uint64_t prof_t3 = clock64();)
             const uint8_t* raw = ss.b_raw[stage];
             uint32_t idx[2][2];
             uint32_t low = 0;
