@@ -687,6 +687,28 @@ def test_dry_run_lists_candidates_and_exclusions_without_a_gpu(store):
     assert not store.exists()
 
 
+def test_points_and_saved_keys_name_the_weight_format(store):
+    """FP8 and MXFP4 points of one shape are different kernels with different winners: their
+    labels (dry run) and the saved entries' table say which is which."""
+    result = run_cli("tune", "--preset", "deepseek-v3", "--weights", "fp8,fp4", "--tokens", "128", "--block-m", "128",
+                     "--stages", "4", "--cluster-m", "1", "--sms", "all", "--ranks", "1", "--dry-run", "--gpu", "H200",
+                     "--json")
+    assert result.exit_code == 0, result.output
+    assert [p["point"] for p in json.loads(result.stdout)] == [
+        "deepseek-v3 ws1 tokens<=128 (H200)", "7168/2048/256/top-8 weights=fp4 ws1 tokens<=128 (H200)"]
+    from megamoe_cli.cli.tune import _entry_table
+    from rich.console import Console
+
+    key = {"gpu": "H200", "world_size": 1, "hidden": 7168, "intermediate": 2048, "num_experts": 256, "num_topk": 8,
+           "dtype": "fp8_e4m3", "token_bucket": 128}
+    entries = [{"key": dict(key, weights=w), "config": {"block_m": 128}, "time_us": 1.0, "default_time_us": 1.0,
+                "speedup": 1.0} for w in ("fp8", "fp4")]
+    console = Console(width=400, record=True)
+    console.print(_entry_table(entries, "tuned.json"))
+    text = console.export_text()
+    assert "k8 tokens<=128" in text and "k8 wfp4 tokens<=128" in text
+
+
 def test_candidate_flags_narrow_a_sweep(store):
     result = run_cli("tune", "--sweep", str(REPO / "sweeps" / "tune_decode.yaml"), "--stages", "4", "--sms", "all",
                      "--dry-run", "--gpu", "H200", "--ranks", "8", "--json")

@@ -128,14 +128,21 @@ class Point:
             )
         return self.num_tokens[rank]
 
-    def describe(self) -> str:
-        shape = self.preset or f"{self.hidden}/{self.intermediate}/{self.num_experts}/top-{self.num_topk}"
-        tokens = self.num_tokens if isinstance(self.num_tokens, int) else list(self.num_tokens)
-        text = f"{self.backend} {shape} num_tokens={tokens}"
-        if self.weights != "fp8" and not self.preset:
+    def shape_label(self) -> str:
+        """The preset's name (which implies its weight format and clamp), or the dimensions with
+        the format and clamp where they are not FP8 and none."""
+        if self.preset:
+            return self.preset
+        text = f"{self.hidden}/{self.intermediate}/{self.num_experts}/top-{self.num_topk}"
+        if self.weights != "fp8":
             text += f" weights={self.weights}"
-        if self.activation_clamp and not self.preset:
+        if self.activation_clamp:
             text += f" clamp={self.activation_clamp:g}"
+        return text
+
+    def describe(self) -> str:
+        tokens = self.num_tokens if isinstance(self.num_tokens, int) else list(self.num_tokens)
+        text = f"{self.backend} {self.shape_label()} num_tokens={tokens}"
         if self.block_m is not None:
             text += f" block_m={self.block_m}"
         return text

@@ -427,9 +427,7 @@ class PointPlan:
     excluded: List[CandidateResult]
 
     def describe(self) -> str:
-        p = self.point
-        shape = p.preset or f"{p.hidden}/{p.intermediate}/{p.num_experts}/top-{p.num_topk}"
-        return f"{shape} ws{self.key.world_size} tokens<={self.key.token_bucket} ({self.key.gpu})"
+        return f"{self.point.shape_label()} ws{self.key.world_size} tokens<={self.key.token_bucket} ({self.key.gpu})"
 
     @property
     def num_tokens(self) -> int:

@@ -231,7 +231,8 @@ def _entry_table(entries, target):
         key = entry["key"]
         table.add_row(
             f"{key['gpu']} ws{key['world_size']} h{key['hidden']} i{key['intermediate']} e{key['num_experts']} "
-            f"k{key['num_topk']} tokens<={key['token_bucket']}",
+            f"k{key['num_topk']}{'' if key.get('weights', 'fp8') == 'fp8' else ' w' + key['weights']} "
+            f"tokens<={key['token_bucket']}",
             json.dumps(entry["config"], sort_keys=True),
             f"{entry['time_us']:,.1f}",
             f"{entry['default_time_us']:,.1f}",
