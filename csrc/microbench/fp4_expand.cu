@@ -332,7 +332,7 @@ __device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, ui
         for (uint32_t u = 0; u < 2; ++u)
             #pragma unroll
             for (uint32_t k = 0; k < 4; ++k)
-                wgmma_rs_m64n16k32(part[g][u], a[u][k], desc + (g * 16 * kFp4StageK >> 4) + 2 * k, k > 0 ? 1 : 0);
+                ptx::wgmma_m64n16k32_e4m3_rs(part[g][u], a[u][k], desc + (g * 16 * kFp4StageK >> 4) + 2 * k, k > 0 ? 1 : 0);
     ptx::wgmma_commit();
     const uint32_t t = (tid % 32) % 4;
     const float sfb_gate = ptx::ld_shared_f32(&s.sfb[0]), sfb_up = ptx::ld_shared_f32(&s.sfb[1]);
