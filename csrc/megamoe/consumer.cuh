@@ -418,15 +418,37 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
 }
 
 // ---- MXFP4 decode tiles with the weights as register operands ----------------------------------
-// A tile whose valid rows are among its first kRsTokens (a direct-pool block only at world size 1)
-// runs with the operands swapped: each WGMMA's A is 64 weight rows, expanded from the stage
-// straight into fragments (fp4_unit_fragments), and its B the block's first 16 rows
-// (m64n16k32): no e4m3 tile and a quarter of a 64-row tile's MMA and promotion work (PERF_NOTES
+// A tile whose valid rows are among the 16 that RsRows names (its first 16, or in a direct-pool
+// block at world size 2 each source's first 8: rs_tile) runs with the operands swapped: each
+// WGMMA's A is 64 weight rows, expanded from the stage straight into fragments
+// (fp4_unit_fragments), and its B those 16 rows of the A tile (m64n16k32): no e4m3 tile and a quarter of a 64-row tile's MMA and promotion work (PERF_NOTES
 // entries 95-96).  Warpgroup wg owns weight rows [128 wg, 128 wg + 128) as two 64-row units;
 // accumulator i of unit u is weight row 128 wg + 64 u + 16 warp + g + 8 ((i / 2) % 2) (g = lane
 // / 4) for token 8 (i / 4) + 2 t + i % 2 (t = lane % 4).  The epilogues transpose through e4m3
 // tile 0, which these tiles do not otherwise use, between barriers of both warpgroups.
 constexpr uint32_t kRsTokens = 16;
+// The block rows a tile's 16 tokens are: token j is row j, except in a direct-pool block at world
+// size 2, where source rank 1's rows start at kDirectRowsPerSrc: there tokens 8-15 are rank 1's
+// first 8 rows (the B operand's second 8-row group, kDirectRowsPerSrc rows after the first).
+struct RsRows {
+    uint32_t group_rows;  // rows between the tokens' two 8-row groups
+    __device__ __forceinline__ explicit RsRows(const Tile& tile)
+        : group_rows(kNumRanks == 2 && kDirectRowsPerSrc > 0 && tile.direct ? kDirectRowsPerSrc : 8) {}
+    __device__ __forceinline__ uint32_t row(uint32_t token) const { return (token / 8) * group_rows + token % 8; }
+};
+// Whether a tile's valid rows are all among RsRows's 16: at most 16 rows, or a direct-pool block
+// whose sources hold at most 16 (world size 1) or 8 each (world size 2; beyond, its rows spread
+// over more groups than 16 tokens have).
+template <typename Schedule>
+__device__ __forceinline__ bool rs_tile(const Schedule& schedule, const Tile& tile) {
+    if (!tile.direct)
+        return tile.rows <= kRsTokens;
+    if constexpr (kNumRanks == 1)
+        return !schedule.direct_row_valid(tile.expert, kRsTokens);
+    if constexpr (kNumRanks == 2)
+        return !schedule.direct_row_valid(tile.expert, 8) && !schedule.direct_row_valid(tile.expert, kDirectRowsPerSrc + 8);
+    return false;
+}
 constexpr uint32_t kRsStagingBytes = kRsTokens * kBlockN * 2;  // L2: BF16 [16 tokens][256 columns]
 static_assert(kRsStagingBytes + 8 * kRsTokens * sizeof(float) <= kSmemBBytes, "staging and amax in e4m3 tile 0");
 
@@ -434,7 +456,7 @@ static_assert(kRsStagingBytes + 8 * kRsTokens * sizeof(float) <= kSmemBBytes, "s
 // tile's 128 channels, stored at the pool columns epilogue_l1 uses (channel 8 g' + 2 q + e of a
 // 64-channel half at column 16 q + 2 g' + e), 16 rows of the block.
 template <typename Storage>
-__device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, const Tile& tile, float (&acc)[2][8],
+__device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, const Tile& tile, RsRows rows, float (&acc)[2][8],
                                                uint32_t wg, uint32_t tid, const ConsumerProfile& prof, uint32_t& l1_tiles) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const uint32_t m0 = tile.block * kBlockM;
@@ -444,7 +466,7 @@ __device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, con
     for (uint32_t j = 0; j < 2; ++j) {
         #pragma unroll
         for (uint32_t e = 0; e < 2; ++e) {
-            const float weight = __ldcg(pool_weights + 8 * j + 2 * t + e);
+            const float weight = __ldcg(pool_weights + rows.row(8 * j + 2 * t + e));
             #pragma unroll
             for (uint32_t u = 0; u < 2; ++u) {
                 float& gate = acc[u][4 * j + e];  // row g: the gate; row g + 8 (slot + 2): its up
@@ -488,7 +510,7 @@ __device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, con
                 m = fmaxf(m, token_amax[w * kRsTokens + token]);
             const float sf = fmaxf(m, 1e-4f) / 448.0f, inv = 1.0f / sf;
             if (wg == 0 && warp == 0 && g == 0)
-                pool_sf[token] = sf;
+                pool_sf[rows.row(token)] = sf;
             #pragma unroll
             for (uint32_t u = 0; u < 2; ++u) {
                 const uint32_t column = 64 * wg + 16 * (g / 2) + 2 * (4 * u + warp) + g % 2;
@@ -500,7 +522,8 @@ __device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, con
     {
         const uint32_t token = tid / 8, piece = tid % 8;  // 16 rows x 8 pieces of 16 bytes
         if (token < kRsTokens) {
-            uint8_t* pool = at<uint8_t>(p, p.off_l2_pool) + static_cast<uint64_t>(m0 + token) * kIntermediate + tile.n * 128;
+            uint8_t* pool =
+                at<uint8_t>(p, p.off_l2_pool) + static_cast<uint64_t>(m0 + rows.row(token)) * kIntermediate + tile.n * 128;
             *reinterpret_cast<uint4*>(pool + 16 * piece) =
                 ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(staging + token * 128 + 16 * piece));
         }
@@ -513,7 +536,7 @@ __device__ __forceinline__ bool rs_epilogue_l1(const Params& p, Storage& ss, con
 // 8 t' + 2 q' + e' of a group is output column 8 q' + 2 t' + e'), then each valid token's 512
 // bytes pushed by one warp, 16 bytes a lane, into its source rank's combine slot.
 template <typename Storage>
-__device__ __forceinline__ void rs_epilogue_l2(const Params& p, Storage& ss, const Tile& tile, const float (&acc)[2][8],
+__device__ __forceinline__ void rs_epilogue_l2(const Params& p, Storage& ss, const Tile& tile, RsRows rows, const float (&acc)[2][8],
                                                uint32_t wg, uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(ss.b[0]);
@@ -534,9 +557,10 @@ __device__ __forceinline__ void rs_epilogue_l2(const Params& p, Storage& ss, con
     #pragma unroll
     for (uint32_t k = 0; k < kRsTokens / 8; ++k) {
         const uint32_t token = 4 * wg + warp + 8 * k;
-        if (tile.direct ? !ss.schedule.direct_row_valid(tile.expert, token) : token >= tile.rows)
+        const uint32_t row = rows.row(token);
+        if (tile.direct ? !ss.schedule.direct_row_valid(tile.expert, row) : row >= tile.rows)
             continue;
-        const int3 src = make_int3(__ldcg(meta + 4 * token), __ldcg(meta + 4 * token + 1), __ldcg(meta + 4 * token + 2));
+        const int3 src = make_int3(__ldcg(meta + 4 * row), __ldcg(meta + 4 * row + 1), __ldcg(meta + 4 * row + 2));
         __nv_bfloat16* dst = combine +
                              (static_cast<uint64_t>(src.z) * kNumMaxTokens + static_cast<uint32_t>(src.y)) * kHidden +
                              tile.n * kBlockN;
@@ -554,6 +578,7 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
     if constexpr (kWeightFp4) {
         const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
         const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+        const RsRows rows(tile);
         float acc[2][8], part[2][8];
         #pragma unroll
         for (uint32_t u = 0; u < 2; ++u)
@@ -593,10 +618,10 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
             for (uint32_t j = 0; j < 2; ++j)
                 #pragma unroll
                 for (uint32_t e = 0; e < 2; ++e)
-                    sfa[j][e] = ptx::ld_shared_f32(&ss.sfa[stage][8 * j + 2 * t + e]);
+                    sfa[j][e] = ptx::ld_shared_f32(&ss.sfa[stage][rows.row(8 * j + 2 * t + e)]);
             const float sfb_gate = ptx::ld_shared_f32(&ss.sfb[stage][2 * wg]);
             const float sfb_up = tile.is_l2 ? sfb_gate : ptx::ld_shared_f32(&ss.sfb[stage][2 * wg + 1]);
-            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.a[stage]);  // the block's rows 0-15
+            const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.a[stage], rows.group_rows * kBlockK);  // RsRows's rows
             #pragma unroll
             for (uint32_t u = 0; u < 2; ++u)
                 #pragma unroll
@@ -627,8 +652,8 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
         }
         MEGAMOE_PROF(const uint64_t prof_t2 = prof.mainloop_end(tile);)
         if (tile.is_l2)
-            rs_epilogue_l2(p, ss, tile, acc, wg, tid);
-        else if (!rs_epilogue_l1(p, ss, tile, acc, wg, tid, prof, l1_tiles))
+            rs_epilogue_l2(p, ss, tile, rows, acc, wg, tid);
+        else if (!rs_epilogue_l1(p, ss, tile, rows, acc, wg, tid, prof, l1_tiles))
             return kConsumerPublisherLate;
         MEGAMOE_PROF(prof.epilogue_end(tile, prof_t2);)
     }
@@ -663,11 +688,7 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         const Tile tile = unpack_tile(packed);
         MEGAMOE_PROF(if (prof.sampler && wg == 0) MEGAMOE_TRACE(kTraceTileStart, ss.schedule.epoch, trace_tile(tile), tile.block);)
         uint32_t status;
-        // (a direct-pool block's rows are the first ones only at world size 1: rank r's start at
-        // r * kDirectRowsPerSrc)
-        const bool rs_rows = tile.direct ? kNumRanks == 1 && !ss.schedule.direct_row_valid(tile.expert, kRsTokens)
-                                         : tile.rows <= kRsTokens;
-        if (kWeightFp4 && rs_rows) {
+        if (kWeightFp4 && rs_tile(ss.schedule, tile)) {
             // MXFP4 decode tile: the weights as register operands (run_tile_rs); it reads no e4m3
             // tile and its epilogue syncs both warpgroups before and after using tile 0
             status = run_tile_rs(p, ss, tile, wg, tid, it, prof, l1_tiles);

@@ -238,12 +238,12 @@ __device__ __forceinline__ void warpgroup_fence_operand(float& r) { asm volatile
 
 // Shared-memory matrix descriptor: K-major operand, 128-byte swizzle, 8-row atoms of
 // 1024 bytes (stride byte offset 1024).  The tile base must be 1024-byte aligned.
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr) {
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr, uint32_t group_stride_bytes = 1024) {
     const uint64_t addr = smem_addr(smem_ptr);
     uint64_t desc = 0;
     desc |= (addr & 0x3FFFFull) >> 4;
     desc |= uint64_t(1) << 16;
-    desc |= uint64_t(1024 >> 4) << 32;
+    desc |= uint64_t(group_stride_bytes >> 4) << 32;  // SBO: between 8-row groups (1024: dense rows)
     desc |= uint64_t(1) << 62;
     return desc;
 }

@@ -64,8 +64,9 @@ def test_fp4_block_m_128(group, shape_name, num_tokens, num_stages):
 
 # block_m 64 (the MXFP4 heuristic picks 128 from 2 tokens on): calls of at most 96 pairs per rank
 # run on the direct pool, whose blocks take the register-operand path at world size 1 (their valid
-# rows are the first ones there) and the stored tile at 2 ranks and up, where each source rank's
-# rows start at its own offset; 300 tokens mix full blocks with tails of at most 16 rows.
+# rows are the first ones there) and at 2 ranks while each source holds at most 8 rows (source 1's
+# rows start at 32: its first 8 are the tile's tokens 8-15), the stored tile otherwise; 300 tokens
+# mix full blocks with tails of at most 16 rows.
 @pytest.mark.parametrize("num_tokens", [1, 7, 24, 300], ids=lambda t: f"tokens{t}")
 def test_fp4_block_m_64(group, num_tokens):
     if QUICK and num_tokens not in (1, 300):
