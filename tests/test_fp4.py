@@ -86,9 +86,9 @@ def test_bad_mxfp4_inputs_are_one_clear_error():
 # --- the kernel's expansion, emulated -----------------------------------------------------------
 
 def byte_perm(x: int, y: int, s: int) -> int:
-    """PTX prmt (what __byte_perm compiles to): result byte n is byte (s >> 4n) & 7 of the 8 bytes
-    {y:x}, or, where bit 3 of that selector nibble is set, that byte's sign bit replicated over all
-    8 bits (the strict reading: the kernel keeps every selector's bit 3 clear, so either holds)."""
+    """PTX prmt.b32 (ptx::prmt): result byte n is byte (s >> 4n) & 7 of the 8 bytes {y:x}, or,
+    where bit 3 of that selector nibble is set, that byte's sign bit replicated over all 8 bits
+    (the kernel's selectors must keep bit 3 clear; one that did not would be caught here)."""
     src = (y << 32) | x
     out = 0
     for n in range(4):
@@ -106,8 +106,8 @@ def kernel_expand_word():
     body = FP4_SOURCE[FP4_SOURCE.index("void fp4_expand_word"):]
     body = body[: body.index("\n}\n")]
     mask = int(re.search(r"and\.b32 %0, %1, (0x[0-9a-fA-F]+);", body).group(1), 16)
-    lo_sign = int(re.search(r"lo = __byte_perm\(lut\.x, lut\.y, mag\) \| \(w & (0x[0-9a-fA-F]+)u\);", body).group(1), 16)
-    hi = re.search(r"hi = __byte_perm\(lut\.x, lut\.y, mag >> (\d+)\) \| \(\(w << (\d+)\) & (0x[0-9a-fA-F]+)u\);", body)
+    lo_sign = int(re.search(r"lo = ptx::prmt\(lut\.x, lut\.y, mag\) \| \(w & (0x[0-9a-fA-F]+)u\);", body).group(1), 16)
+    hi = re.search(r"hi = ptx::prmt\(lut\.x, lut\.y, mag >> (\d+)\) \| \(\(w << (\d+)\) & (0x[0-9a-fA-F]+)u\);", body)
     hi_shift, sign_shift, hi_sign = int(hi.group(1)), int(hi.group(2)), int(hi.group(3), 16)
 
     def expand(w: int, lut: tuple) -> tuple:
@@ -117,6 +117,42 @@ def kernel_expand_word():
         return lo, hi
 
     return expand
+
+
+def kernel_index_byte():
+    """fp4_index_byte as fp4.cuh writes it (its selector read from the source): a row's index word
+    and a byte number -> that byte's scale index."""
+    body = FP4_SOURCE[FP4_SOURCE.index("uint32_t fp4_index_byte"):]
+    body = body[: body.index("\n}\n")]
+    m = re.search(r"return ptx::prmt\(word, 0u, (0x[0-9a-fA-F]+)u \| byte\);", body)
+    base = int(m.group(1), 16)
+    return lambda word, byte: byte_perm(word, 0, base | byte)
+
+
+def test_normal_vote_flags_every_index_below_the_first_normal_one():
+    """fp4_normal_bytes as fp4.cuh writes it (its constants read from the source), ANDed over
+    rows as the kernel does, leaves kFp4AllNormal exactly when every index byte is at least
+    kFp4FirstNormalIndex, for every index a stage can hold (0 to FP4_NUM_SCALES - 1)."""
+    _, first = kernel_entry()
+    body = FP4_SOURCE[FP4_SOURCE.index("uint32_t fp4_normal_bytes"):]
+    body = body[: body.index("\n}\n")]
+    m = re.search(r"return word \+ \((\d+)u - kFp4FirstNormalIndex\) \* (0x[0-9a-fA-F]+)u;", body)
+    add = ((int(m.group(1)) - first) * int(m.group(2), 16)) & 0xFFFFFFFF
+    all_normal = int(re.search(r"kFp4AllNormal = (0x[0-9a-fA-F]+)u;", FP4_SOURCE).group(1), 16)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2000):
+        rows = torch.randint(0, wl.FP4_NUM_SCALES, (4, 4), generator=gen)
+        # mostly normal indices, so that both outcomes occur
+        rows = torch.where(torch.rand(4, 4, generator=gen) < 0.97, rows.clamp(min=first), rows)
+        normal = all_normal
+        for row in rows.tolist():
+            word = sum(b << (8 * i) for i, b in enumerate(row))
+            normal &= (word + add) & 0xFFFFFFFF
+        assert (normal == all_normal) == bool((rows >= first).all()), rows
+    for index in range(wl.FP4_NUM_SCALES):  # every index in every byte position
+        for byte in range(4):
+            word = (first << 0 | first << 8 | first << 16 | first << 24) & ~(0xFF << (8 * byte)) | (index << (8 * byte))
+            assert ((((word + add) & 0xFFFFFFFF) & all_normal) == all_normal) == (index >= first), (index, byte)
 
 
 def word_of(codes: list) -> int:
@@ -160,7 +196,11 @@ def kernel_entry():
              re.findall(r"(kE2m1AsE4m3Lo|kE2m1AsE4m3Hi|kFp4EntryStepLo|kFp4EntryStepHi) = (0x[0-9a-fA-F]+)u", FP4_SOURCE)}
     assert len(const) == 4
     first = wl.FP4_SCALE_BIAS - int(re.search(r"kFp4FirstNormalIndex = kFp4ScaleBias - (\d+);", FP4_SOURCE).group(1))
-    assert "__vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u)" in FP4_SOURCE
+    # both expansions take the table path when any index of the warp's rows is below `first`
+    assert "normal &= fp4_normal_bytes(indices[j]);" in FP4_SOURCE
+    assert "__any_sync(0xffffffffu, normal != kFp4AllNormal)" in FP4_SOURCE
+    assert "normal &= fp4_normal_bytes(idx[u][r]);" in CONSUMER_SOURCE
+    assert "__any_sync(0xffffffffu, normal != kFp4AllNormal)" in CONSUMER_SOURCE
 
     def entry(index: int) -> tuple:
         d = index - wl.FP4_SCALE_BIAS
@@ -186,16 +226,18 @@ def _expand_words(stage: torch.Tensor, byte_of) -> torch.Tensor:
     ``byte_of(run, t)`` of its row's index word, into logical K order: its low four e4m3 bytes are
     K 32 run + 4 t .., its high four K 32 run + 16 + 4 t .. (FP4_RUN_ORDER).  As floats."""
     expand = kernel_expand_word()
+    index_byte = kernel_index_byte()
     tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
     data = stage[: 256 * 64].view(256, 64)
-    idx = stage[256 * 64 :].view(256, 4)
+    idx_words = stage[256 * 64 :].view(torch.int32).tolist()
     out = torch.empty(256, 128, dtype=torch.uint8)
     for row in range(256):
         words = data[row].view(torch.int32).tolist()
         for t in range(4):
             slot = t ^ ((row >> 1) & 3)
             for run in range(4):
-                lo, hi = expand(words[4 * slot + run] & 0xFFFFFFFF, tables[int(idx[row, byte_of(run, t)])])
+                index = index_byte(idx_words[row] & 0xFFFFFFFF, byte_of(run, t))
+                lo, hi = expand(words[4 * slot + run] & 0xFFFFFFFF, tables[index])
                 out[row, 32 * run + 4 * t : 32 * run + 4 * t + 4] = torch.tensor([(lo >> 8 * k) & 0xFF for k in range(4)],
                                                                                  dtype=torch.uint8)
                 out[row, 32 * run + 16 + 4 * t : 32 * run + 20 + 4 * t] = torch.tensor(
@@ -210,7 +252,9 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     # where the thread finds its groups (fp4_group_slot), which word of a group is a run's, and
     # where the words' halves go
     assert "even = is_l2 ? run & 2u : run, odd = is_l2 ? (run & 2u) + 1 : run;" in FP4_SOURCE
-    assert "return group ^ ((row >> 1) & 3u);" in FP4_SOURCE and "fp4_group_slot(row, t) * 16" in FP4_SOURCE
+    assert "return group ^ ((row >> 1) & 3u);" in FP4_SOURCE
+    assert "return row * kFp4RowBytes + fp4_group_slot(row, group) * 16;" in FP4_SOURCE
+    assert "reinterpret_cast<const uint4*>(raw + fp4_group_offset(row, t)));" in FP4_SOURCE
     assert "return run == 0 ? group.x : run == 1 ? group.y : run == 2 ? group.z : group.w;" in FP4_SOURCE
     for t, lut in enumerate(("lut0", "lut0", "lut1", "lut1")):
         assert f"fp4_expand_word(fp4_group_word(w[{t}], run), {lut}, lo[{t}], hi[{t}]);" in FP4_SOURCE
@@ -230,7 +274,8 @@ def emulate_fragments(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     s (L1) or (s & 2) | (t >> 1) (L2), expands to the row's K 32 s + 4 t .. + 3 (its A fragment's
     low register) and 32 s + 16 + 4 t .. (high); returned in logical K order like emulate_stage."""
     assert "const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;" in FP4_SOURCE
-    assert "raw + row * kFp4RowBytes + fp4_group_slot(row, t) * 16));" in FP4_SOURCE
+    assert "w[r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + offset[r]));" in FP4_SOURCE
+    assert "group_offset[u][r] = fp4_group_offset(128 * wg + 64 * u + 16 * warp + g + 8 * r, t);" in CONSUMER_SOURCE
     assert "fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);" in FP4_SOURCE
     return _expand_words(stage, lambda s, t: ((s & 2) | (t >> 1)) if is_l2 else s)
 
@@ -283,7 +328,8 @@ def test_stage_words_are_wgmma_a_fragments():
     of a 16-byte shared load) reach eight different 16-byte bank groups, whether they hold groups
     0-3 of two rows (the register path) or one group of eight consecutive rows (the stored tile)."""
     expand = kernel_expand_word()
-    assert "fp4_group_slot(row, t) * 16));" in FP4_SOURCE
+    assert "return row * kFp4RowBytes + fp4_group_slot(row, group) * 16;" in FP4_SOURCE
+    assert "fp4_group_offset(128 * wg + 64 * u + 16 * warp + g + 8 * r, t);" in CONSUMER_SOURCE
     assert "fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);" in FP4_SOURCE
     torch.manual_seed(7)
     codes = torch.randint(0, 16, (1, 256, 128), dtype=torch.uint8)

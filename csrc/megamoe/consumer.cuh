@@ -585,6 +585,13 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
             #pragma unroll
             for (uint32_t i = 0; i < 8; ++i)
                 acc[u][i] = 0.0f;
+        // The thread's rows 128 wg + 64 u + 16 warp + g + 8 r: where their groups t lie in a stage
+        uint32_t group_offset[2][2];
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; ++u)
+            #pragma unroll
+            for (uint32_t r = 0; r < 2; ++r)
+                group_offset[u][r] = fp4_group_offset(128 * wg + 64 * u + 16 * warp + g + 8 * r, t);
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const KBlock k_block(it);
             if (!k_block.wait_full(p, ss, tile, kb, prof))
@@ -593,24 +600,24 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
             MEGAMOE_PROF(const uint64_t prof_t3 = clock64();)
             const uint8_t* raw = ss.b_raw[stage];
             uint32_t idx[2][2];
-            uint32_t low = 0;
+            uint32_t normal = kFp4AllNormal;
             #pragma unroll
             for (uint32_t u = 0; u < 2; ++u) {
                 #pragma unroll
                 for (uint32_t r = 0; r < 2; ++r) {
                     idx[u][r] = ptx::ld_shared_u32(raw + kFp4DataBytes + (128 * wg + 64 * u + 16 * warp + g + 8 * r) * 4);
-                    low |= __vcmpltu4(idx[u][r], kFp4FirstNormalIndex * 0x01010101u);
+                    normal &= fp4_normal_bytes(idx[u][r]);
                 }
             }
             uint32_t a[2][4][4];
-            if (__any_sync(0xffffffffu, low != 0)) {
+            if (__any_sync(0xffffffffu, normal != kFp4AllNormal)) {
                 #pragma unroll
                 for (uint32_t u = 0; u < 2; ++u)
-                    fp4_unit_fragments<true>(raw, ss.fp4_table, 128 * wg + 64 * u + 16 * warp + g, t, idx[u], tile.is_l2, a[u]);
+                    fp4_unit_fragments<true>(raw, ss.fp4_table, group_offset[u], t, idx[u], tile.is_l2, a[u]);
             } else {
                 #pragma unroll
                 for (uint32_t u = 0; u < 2; ++u)
-                    fp4_unit_fragments<false>(raw, ss.fp4_table, 128 * wg + 64 * u + 16 * warp + g, t, idx[u], tile.is_l2, a[u]);
+                    fp4_unit_fragments<false>(raw, ss.fp4_table, group_offset[u], t, idx[u], tile.is_l2, a[u]);
             }
             MEGAMOE_PROF(prof.add(14, prof_t3);)  // the fragments' loads and expansion: FP4_EXPAND
             float sfa[2][2];

@@ -28,10 +28,24 @@ constexpr int32_t kFp4ScaleBias = 25;
 // subnormals, flushes) from the table in shared memory.
 constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
 
+// Bit 7 of byte b is set where scale-index byte b of `word` is at least kFp4FirstNormalIndex
+// (indices are below kFp4NumScales, so no byte carries into the next): ANDed over a warp's rows,
+// anything but kFp4AllNormal left means some entry must come from the table.  Four instructions for
+// four rows' words fewer than comparing bytes (__vcmpltu4).
+constexpr uint32_t kFp4AllNormal = 0x80808080u;
+__device__ __forceinline__ uint32_t fp4_normal_bytes(uint32_t word) {
+    return word + (128u - kFp4FirstNormalIndex) * 0x01010101u;
+}
+
 // The 16-byte slot of group `group` in stage row `row` (weight_layout.fp4_group_slot_key): eight
 // consecutive rows' loads of one group, or of groups t = lane % 4 of two rows, are free of bank
 // conflicts
 __device__ __forceinline__ uint32_t fp4_group_slot(uint32_t row, uint32_t group) { return group ^ ((row >> 1) & 3u); }
+
+// Where group `group` of stage row `row` starts, in bytes from the stage
+__device__ __forceinline__ uint32_t fp4_group_offset(uint32_t row, uint32_t group) {
+    return row * kFp4RowBytes + fp4_group_slot(row, group) * 16;
+}
 
 // Word `run` of a group (the group's words are runs 0-3's)
 __device__ __forceinline__ uint32_t fp4_group_word(const uint4& group, uint32_t run) {
@@ -56,14 +70,22 @@ __device__ __forceinline__ uint2 fp4_table_entry(uint32_t index) {
 // Eight e2m1 codes (a word as weight_layout.fp4_words packs them: nibble k holds code k's
 // magnitude in bits 0-2 and one code's sign in bit 3, codes 0-3's at bits 7, 15, 23, 31, codes
 // 4-7's at bits 3, 11, 19, 27) -> eight e4m3 bytes, codes 0-3 in `lo` and 4-7 in `hi`: the
-// magnitudes by byte permutes of the scale's table entry (each selector's nibbles with bit 3 clear: prmt would replicate a sign there), the
-// signs ORed in at bit 7 of their bytes as they lie or after a 4-bit shift.  Seven instructions;
-// the mask is opaque to the compiler, which would otherwise narrow it into one mask per half.
+// magnitudes by byte permutes of the scale's table entry, the signs ORed in at bit 7 of their bytes
+// as they lie or after a 4-bit shift.  Seven instructions: the permutes are ptx::prmt, whose
+// selectors (the magnitudes, every nibble's bit 3 clear) need no further mask, where __byte_perm
+// would AND each with 0x7777 (two more a word); the mask is opaque to the compiler, which would
+// otherwise narrow it into one mask per half.
 __device__ __forceinline__ void fp4_expand_word(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
     uint32_t mag;
     asm("and.b32 %0, %1, 0x77777777;" : "=r"(mag) : "r"(w));
-    lo = __byte_perm(lut.x, lut.y, mag) | (w & 0x80808080u);
-    hi = __byte_perm(lut.x, lut.y, mag >> 16) | ((w << 4) & 0x80808080u);
+    lo = ptx::prmt(lut.x, lut.y, mag) | (w & 0x80808080u);
+    hi = ptx::prmt(lut.x, lut.y, mag >> 16) | ((w << 4) & 0x80808080u);
+}
+
+// Byte `byte` (0-3) of `word`, zero-extended: one prmt (its upper selector nibbles pick byte 0 of
+// the zero operand), where a shift and a mask take two
+__device__ __forceinline__ uint32_t fp4_index_byte(uint32_t word, uint32_t byte) {
+    return ptx::prmt(word, 0u, 0x4440u | byte);
 }
 
 // The table entry of a scale index from kFp4FirstNormalIndex up, computed: the e4m3 bytes of the
@@ -98,7 +120,7 @@ __device__ __forceinline__ void fp4_expand_row(const uint2* table, const uint4 (
     for (uint32_t i = 0; i < kRuns; ++i) {
         const uint32_t run = first_run + i;
         const uint32_t even = is_l2 ? run & 2u : run, odd = is_l2 ? (run & 2u) + 1 : run;
-        const uint32_t i0 = (indices >> (8 * even)) & 0xffu, i1 = (indices >> (8 * odd)) & 0xffu;
+        const uint32_t i0 = fp4_index_byte(indices, even), i1 = fp4_index_byte(indices, odd);
         const uint2 lut0 = kTable ? ptx::ld_shared_v2_u32(&table[i0]) : fp4_entry(i0);
         const uint2 lut1 = kTable ? ptx::ld_shared_v2_u32(&table[i1]) : fp4_entry(i1);
         uint32_t lo[4], hi[4];
@@ -139,13 +161,13 @@ __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2*
         #pragma unroll
         for (uint32_t t = 0; t < 4; ++t)
             w[j][t] = ptx::ld_shared_v4_u32(
-                reinterpret_cast<const uint4*>(raw + row * kFp4RowBytes + fp4_group_slot(row, t) * 16));
+                reinterpret_cast<const uint4*>(raw + fp4_group_offset(row, t)));
     }
-    uint32_t low = 0;
+    uint32_t normal = kFp4AllNormal;
     #pragma unroll
     for (uint32_t j = 0; j < kRows; ++j)
-        low |= __vcmpltu4(indices[j], kFp4FirstNormalIndex * 0x01010101u);
-    const bool table_path = __any_sync(0xffffffffu, low != 0);
+        normal &= fp4_normal_bytes(indices[j]);
+    const bool table_path = __any_sync(0xffffffffu, normal != kFp4AllNormal);
     #pragma unroll
     for (uint32_t j = 0; j < kRows; ++j) {
         if (table_path)
@@ -160,24 +182,23 @@ __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2*
 // stored words.  Thread (warp w, lane l: g = l / 4, t = l % 4) holds rows first_row = unit + 16 w
 // + g and first_row + 8; a[s] = {row g K 32 s + 4 t.., row g + 8 the same, row g K 32 s + 16 + 4 t..,
 // row g + 8 the same} (wgmma's .e4m3 A fragment), which is word t of run s of each row: the
-// rows' group t, one 16-byte load each.  `idx`: the two rows' scale-index words; a word's scale is
+// rows' group t, one 16-byte load each at `offset` (fp4_group_offset of the two rows and t, which
+// the caller keeps across K blocks).  `idx`: the two rows' scale-index words; a word's scale is
 // its run's (L1) or, in L2's permuted runs, the 64-column group's run 2 (s / 2) + t / 2
 // (fp4_expand_row).  kTable as in fp4_expand_row.
 template <bool kTable>
-__device__ __forceinline__ void fp4_unit_fragments(const uint8_t* raw, const uint2* table, uint32_t first_row, uint32_t t,
-                                                   const uint32_t (&idx)[2], bool is_l2, uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void fp4_unit_fragments(const uint8_t* raw, const uint2* table, const uint32_t (&offset)[2],
+                                                   uint32_t t, const uint32_t (&idx)[2], bool is_l2, uint32_t (&a)[4][4]) {
     uint4 w[2];
     #pragma unroll
-    for (uint32_t r = 0; r < 2; ++r) {
-        const uint32_t row = first_row + 8 * r;
-        w[r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * kFp4RowBytes + fp4_group_slot(row, t) * 16));
-    }
+    for (uint32_t r = 0; r < 2; ++r)
+        w[r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + offset[r]));
     #pragma unroll
     for (uint32_t r = 0; r < 2; ++r) {
         #pragma unroll
         for (uint32_t s = 0; s < 4; ++s) {
             const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;
-            const uint32_t index = (idx[r] >> (8 * byte)) & 0xffu;
+            const uint32_t index = fp4_index_byte(idx[r], byte);
             const uint2 lut = kTable ? ptx::ld_shared_v2_u32(&table[index]) : fp4_entry(index);
             fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);
         }

@@ -21,6 +21,15 @@ __device__ __forceinline__ uint32_t num_ctas() {
     return n;
 }
 
+// prmt.b32 as PTX defines it: byte n of the result is byte (c >> 4n) & 7 of {b, a}, or that byte's
+// sign replicated where bit 3 of the nibble is set.  CUDA's __byte_perm clears those bits first
+// (an AND of the selector per call), which callers whose selectors never set them do not need.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
 // Barriers and mbarriers
 __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t num_threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
