@@ -381,6 +381,8 @@ def test_json_is_one_document_with_every_point_and_config(simulated_gpu):
     # the human view goes to stderr: the table, the cycles and the timeline
     assert "kernel us" in result.stderr and "123.4" in result.stderr and "50.0 / 20.0 / 0.0" in result.stderr
     assert "mainloop" in result.stderr and "per K block" in result.stderr
+    # the times are the profiling build's, and the table says so
+    assert "times and rates of the profiling build (--cycles)" in " ".join(result.stderr.split())
     assert "timeline of 64:4 on rank 0 (traces/t.csv)" in result.stderr
 
 
@@ -395,6 +397,7 @@ def test_failed_configs_exit_3_and_a_stopped_run_exits_2_after_showing_what_it_m
     assert result.exit_code == 3, result.output
     assert result.stderr.strip().splitlines()[-1] == "error: 1 of 2 config(s) failed; their lines say why"
     assert "failed: prepare: rank 0: prepare 64:4" in " ".join(result.stderr.split())
+    assert "profiling build" not in result.stderr  # release timings carry no caption
 
     simulated_gpu(fake_run(measured, stop="profile stopped (kernel config 64:4: trap): run stopped at point 0"))
     result = run_cli("profile", "--preset", "small", "--tokens", "16", "--configs", "auto,64:4", "--json")

@@ -129,7 +129,12 @@ def render(console, result) -> None:
         title = f"{outcome.point.describe()} on {result.world_size} rank(s): {outcome.status}"
         if outcome.message:
             title += f": {outcome.message}"
-        table = Table(title=title, title_justify="left")
+        # --cycles times the profiling build (counters and their stores in the loop), which runs
+        # slower than the release build the other commands time: said under the table, so that
+        # its times and rates are not read as a release call's
+        caption = ("times and rates of the profiling build (--cycles), slower than a release build's"
+                   if result.options.cycles else None)
+        table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
         columns = ["config", "ran", "kernel us", "layer us"]
         if result.options.back_to_back:
             columns.append(f"{result.options.back_to_back} back to back us")
