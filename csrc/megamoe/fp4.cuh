@@ -30,8 +30,8 @@ constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
 
 // Bit 7 of byte b is set where scale-index byte b of `word` is at least kFp4FirstNormalIndex
 // (indices are below kFp4NumScales, so no byte carries into the next): ANDed over a warp's rows,
-// anything but kFp4AllNormal left means some entry must come from the table.  Four instructions for
-// four rows' words fewer than comparing bytes (__vcmpltu4).
+// anything but kFp4AllNormal left means some entry must come from the table.  One add a word,
+// half the instructions of comparing bytes (__vcmpltu4).
 constexpr uint32_t kFp4AllNormal = 0x80808080u;
 __device__ __forceinline__ uint32_t fp4_normal_bytes(uint32_t word) {
     return word + (128u - kFp4FirstNormalIndex) * 0x01010101u;
@@ -182,8 +182,8 @@ __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2*
 // stored words.  Thread (warp w, lane l: g = l / 4, t = l % 4) holds rows first_row = unit + 16 w
 // + g and first_row + 8; a[s] = {row g K 32 s + 4 t.., row g + 8 the same, row g K 32 s + 16 + 4 t..,
 // row g + 8 the same} (wgmma's .e4m3 A fragment), which is word t of run s of each row: the
-// rows' group t, one 16-byte load each at `offset` (fp4_group_offset of the two rows and t, which
-// the caller keeps across K blocks).  `idx`: the two rows' scale-index words; a word's scale is
+// rows' group t, one 16-byte load each at `offset` (fp4_group_offset of the two rows and t,
+// computed by the caller once per tile).  `idx`: the two rows' scale-index words; a word's scale is
 // its run's (L1) or, in L2's permuted runs, the 64-column group's run 2 (s / 2) + t / 2
 // (fp4_expand_row).  kTable as in fp4_expand_row.
 template <bool kTable>
