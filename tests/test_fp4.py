@@ -129,6 +129,44 @@ def kernel_index_byte():
     return lambda word, byte: byte_perm(word, 0, base | byte)
 
 
+def kernel_table_index(table: int = 0x2A700):
+    """The register-operand path's table lookup as consumer.cuh and fp4.cuh write it (the index
+    word's scaling and fp4_table_slot's selector read from the source): a row's index word and a
+    byte number -> the entry the load at the prmt's address reads, for a table at shared address
+    ``table`` (a multiple of 256, as storage.cuh asserts).  An address that is not an entry of the
+    table fails here."""
+    assert table % 256 == 0
+    scale = re.search(r"scaled\[u\]\[r\] \*= sizeof\((\w+)\);", CONSUMER_SOURCE).group(1)
+    factor = {"uint2": 8, "uint32_t": 4, "uint4": 16, "uint8_t": 1}[scale]
+    body = FP4_SOURCE[FP4_SOURCE.index("uint32_t fp4_table_slot"):]
+    body = body[: body.index("\n}\n")]
+    base = int(re.search(r"return ptx::prmt\(scaled, table, (0x[0-9a-fA-F]+)u \| byte\);", body).group(1), 16)
+    assert "ptx::ld_shared_v2_u32_at(fp4_table_slot(table, scaled[r], byte))" in FP4_SOURCE
+
+    def index(word: int, byte: int) -> int:
+        address = byte_perm((word * factor) & 0xFFFFFFFF, table, base | byte)
+        offset = address - table
+        assert 0 <= offset < 8 * wl.FP4_NUM_SCALES and offset % 8 == 0, (hex(word), byte, hex(address))
+        return offset // 8
+
+    return index
+
+
+def test_table_slot_reads_each_index_byte_entry():
+    """fp4_table_slot, with the index words scaled as run_tile_rs scales them, addresses entry i of
+    the table for index i in any byte of the word, whatever the other bytes hold, for any table
+    base that is a multiple of 256."""
+    gen = torch.Generator().manual_seed(11)
+    for table in (0x0, 0x2A700, 0x3FF00):
+        index = kernel_table_index(table)
+        for i in range(wl.FP4_NUM_SCALES):
+            for byte in range(4):
+                others = torch.randint(0, wl.FP4_NUM_SCALES, (4,), generator=gen).tolist()
+                others[byte] = i
+                word = sum(b << (8 * k) for k, b in enumerate(others))
+                assert index(word, byte) == i, (table, i, byte, others)
+
+
 def test_normal_vote_flags_every_index_below_the_first_normal_one():
     """fp4_normal_bytes as fp4.cuh writes it (its constants read from the source), ANDed over
     rows as the kernel does, leaves kFp4AllNormal exactly when every index byte is at least
@@ -199,8 +237,8 @@ def kernel_entry():
     # both expansions take the table path when any index of the warp's rows is below `first`
     assert "normal &= fp4_normal_bytes(indices[j]);" in FP4_SOURCE
     assert "__any_sync(0xffffffffu, normal != kFp4AllNormal)" in FP4_SOURCE
-    assert "normal &= fp4_normal_bytes(idx[u][r]);" in CONSUMER_SOURCE
-    assert "__any_sync(0xffffffffu, normal != kFp4AllNormal)" in CONSUMER_SOURCE
+    # the register-operand path reads every entry from the table (kernel_table_index): no vote
+    assert "fp4_normal_bytes" not in CONSUMER_SOURCE
 
     def entry(index: int) -> tuple:
         d = index - wl.FP4_SCALE_BIAS
@@ -220,13 +258,13 @@ def test_computed_entries_equal_the_table_where_the_kernel_computes_them():
     assert entry(first - 1) != table_entry(first - 1)
 
 
-def _expand_words(stage: torch.Tensor, byte_of) -> torch.Tensor:
+def _expand_words(stage: torch.Tensor, byte_of, index_byte=None) -> torch.Tensor:
     """One MXFP4 stage's words expanded with the kernel's word expansion and table entries, word t
     of run `run` (group t's word `run`, at slot t ^ ((row >> 1) & 3)) with the scale index in byte
     ``byte_of(run, t)`` of its row's index word, into logical K order: its low four e4m3 bytes are
     K 32 run + 4 t .., its high four K 32 run + 16 + 4 t .. (FP4_RUN_ORDER).  As floats."""
     expand = kernel_expand_word()
-    index_byte = kernel_index_byte()
+    index_byte = index_byte or kernel_index_byte()
     tables = [table_entry(i) for i in range(wl.FP4_NUM_SCALES)]
     data = stage[: 256 * 64].view(256, 64)
     idx_words = stage[256 * 64 :].view(torch.int32).tolist()
@@ -268,16 +306,50 @@ def emulate_stage(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     return _expand_words(stage, byte_of)
 
 
+def register_path_offsets():
+    """run_tile_rs's stage offsets (consumer.cuh, its expressions read from the source): one group
+    offset and one index offset per thread, plus a constant per unit u and row half r, must be
+    where fp4_group_offset and the index words put the group t and the index word of the thread's
+    row 128 wg + 64 u + 16 warp + g + 8 r (the rows whose A fragments it holds, and whose
+    accumulators the epilogues read)."""
+    assert "return row * kFp4RowBytes + fp4_group_slot(row, group) * 16;" in FP4_SOURCE
+    group_row = re.search(r"uint32_t group_offset = fp4_group_offset\((.+), t\);", CONSUMER_SOURCE).group(1)
+    group_step = re.search(r"raw \+ group_offset \+ (.+)\)\);", CONSUMER_SOURCE).group(1)
+    index_base = re.search(r"uint32_t index_offset = (.+);", CONSUMER_SOURCE).group(1)
+    index_step = re.search(r"raw \+ index_offset \+ (.+)\);", CONSUMER_SOURCE).group(1)
+    consts = {"kFp4RowBytes": 64, "kFp4DataBytes": 256 * 64}
+
+    def group_offset(row, t):
+        return row * 64 + (t ^ wl.fp4_group_slot_key(row)) * 16
+
+    for wg in range(2):
+        for warp in range(4):
+            for g in range(8):
+                for t in range(4):
+                    env = dict(consts, wg=wg, warp=warp, g=g, t=t)
+                    base = group_offset(eval(group_row, {}, env), t)
+                    index = eval(index_base, {}, env)
+                    for u in range(2):
+                        for r in range(2):
+                            row = 128 * wg + 64 * u + 16 * warp + g + 8 * r
+                            env.update(u=u, r=r)
+                            assert base + eval(group_step, {}, env) == group_offset(row, t), (wg, warp, g, t, u, r)
+                            assert index + eval(index_step, {}, env) == consts["kFp4DataBytes"] + 4 * row, (wg, warp, g, u, r)
+
+
+def test_register_path_offsets_reach_each_rows_groups():
+    register_path_offsets()
+
+
 def emulate_fragments(stage: torch.Tensor, is_l2: bool) -> torch.Tensor:
     """The same stage as the register-operand path expands it (fp4.cuh fp4_unit_fragments): the
     thread of quad lane t loads group t of a row, and word s of it, with the scale index of byte
     s (L1) or (s & 2) | (t >> 1) (L2), expands to the row's K 32 s + 4 t .. + 3 (its A fragment's
     low register) and 32 s + 16 + 4 t .. (high); returned in logical K order like emulate_stage."""
     assert "const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;" in FP4_SOURCE
-    assert "w[r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + offset[r]));" in FP4_SOURCE
-    assert "group_offset[u][r] = fp4_group_offset(128 * wg + 64 * u + 16 * warp + g + 8 * r, t);" in CONSUMER_SOURCE
+    register_path_offsets()  # each thread's loads reach its rows' group t and index word
     assert "fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);" in FP4_SOURCE
-    return _expand_words(stage, lambda s, t: ((s & 2) | (t >> 1)) if is_l2 else s)
+    return _expand_words(stage, lambda s, t: ((s & 2) | (t >> 1)) if is_l2 else s, kernel_table_index())
 
 
 @pytest.mark.parametrize("path", ["stored_tile", "register_fragments"])
@@ -329,7 +401,7 @@ def test_stage_words_are_wgmma_a_fragments():
     0-3 of two rows (the register path) or one group of eight consecutive rows (the stored tile)."""
     expand = kernel_expand_word()
     assert "return row * kFp4RowBytes + fp4_group_slot(row, group) * 16;" in FP4_SOURCE
-    assert "fp4_group_offset(128 * wg + 64 * u + 16 * warp + g + 8 * r, t);" in CONSUMER_SOURCE
+    register_path_offsets()
     assert "fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);" in FP4_SOURCE
     torch.manual_seed(7)
     codes = torch.randint(0, 16, (1, 256, 128), dtype=torch.uint8)

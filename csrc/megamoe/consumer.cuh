@@ -572,12 +572,14 @@ __device__ __forceinline__ void rs_epilogue_l2(const Params& p, Storage& ss, con
 }
 
 // One decode tile with the weights as register operands (see above); returns as run_tile does.
-template <typename Storage>
+// kL2: the tile's layer, a template argument so that the compiler sees L2's K steps 0-1 and 2-3
+// take the same scale (fp4_unit_fragments) and loads each table entry once for both.
+template <bool kL2, typename Storage>
 __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, const Tile& tile, uint32_t wg, uint32_t tid,
                                                 uint32_t& it, const ConsumerProfile& prof, uint32_t& l1_tiles) {
     if constexpr (kWeightFp4) {
         const uint32_t warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-        const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
+        const uint32_t num_k = kL2 ? kNumL2KBlocks : kNumL1KBlocks;
         const RsRows rows(tile);
         float acc[2][8], part[2][8];
         #pragma unroll
@@ -585,13 +587,13 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
             #pragma unroll
             for (uint32_t i = 0; i < 8; ++i)
                 acc[u][i] = 0.0f;
-        // The thread's rows 128 wg + 64 u + 16 warp + g + 8 r: where their groups t lie in a stage
-        uint32_t group_offset[2][2];
-        #pragma unroll
-        for (uint32_t u = 0; u < 2; ++u)
-            #pragma unroll
-            for (uint32_t r = 0; r < 2; ++r)
-                group_offset[u][r] = fp4_group_offset(128 * wg + 64 * u + 16 * warp + g + 8 * r, t);
+        // The thread's rows 128 wg + 64 u + 16 warp + g + 8 r: where their groups t and index words
+        // lie in a stage.  Rows 8 and 64 apart share a slot, so one offset each serves all four;
+        // opaque, so the compiler keeps them instead of recomputing them every K block.
+        uint32_t group_offset = fp4_group_offset(128 * wg + 16 * warp + g, t);
+        uint32_t index_offset = kFp4DataBytes + (128 * wg + 16 * warp + g) * 4;
+        asm volatile("" : "+r"(group_offset), "+r"(index_offset));
+        const uint32_t table = ptx::smem_addr(ss.fp4_table);
         for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
             const KBlock k_block(it);
             if (!k_block.wait_full(p, ss, tile, kb, prof))
@@ -599,25 +601,25 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
             const uint32_t stage = k_block.stage;
             MEGAMOE_PROF(const uint64_t prof_t3 = clock64();)
             const uint8_t* raw = ss.b_raw[stage];
-            uint32_t idx[2][2];
-            uint32_t normal = kFp4AllNormal;
+            // Every load of the stage first, so the codes' round trip overlaps the indices' and
+            // the table loads that follow them
+            uint32_t scaled[2][2];
+            uint4 w[2][2];
             #pragma unroll
             for (uint32_t u = 0; u < 2; ++u) {
                 #pragma unroll
                 for (uint32_t r = 0; r < 2; ++r) {
-                    idx[u][r] = ptx::ld_shared_u32(raw + kFp4DataBytes + (128 * wg + 64 * u + 16 * warp + g + 8 * r) * 4);
-                    normal &= fp4_normal_bytes(idx[u][r]);
+                    scaled[u][r] = ptx::ld_shared_u32(raw + index_offset + (64 * u + 8 * r) * 4);
+                    w[u][r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + group_offset + (64 * u + 8 * r) * kFp4RowBytes));
                 }
             }
             uint32_t a[2][4][4];
-            if (__any_sync(0xffffffffu, normal != kFp4AllNormal)) {
+            #pragma unroll
+            for (uint32_t u = 0; u < 2; ++u) {
                 #pragma unroll
-                for (uint32_t u = 0; u < 2; ++u)
-                    fp4_unit_fragments<true>(raw, ss.fp4_table, group_offset[u], t, idx[u], tile.is_l2, a[u]);
-            } else {
-                #pragma unroll
-                for (uint32_t u = 0; u < 2; ++u)
-                    fp4_unit_fragments<false>(raw, ss.fp4_table, group_offset[u], t, idx[u], tile.is_l2, a[u]);
+                for (uint32_t r = 0; r < 2; ++r)
+                    scaled[u][r] *= sizeof(uint2);  // byte offsets of the table entries (fp4_table_slot)
+                fp4_unit_fragments(w[u], table, t, scaled[u], kL2, a[u]);
             }
             MEGAMOE_PROF(prof.add(14, prof_t3);)  // the fragments' loads and expansion: FP4_EXPAND
             float sfa[2][2];
@@ -627,7 +629,7 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
                 for (uint32_t e = 0; e < 2; ++e)
                     sfa[j][e] = ptx::ld_shared_f32(&ss.sfa[stage][rows.row(8 * j + 2 * t + e)]);
             const float sfb_gate = ptx::ld_shared_f32(&ss.sfb[stage][2 * wg]);
-            const float sfb_up = tile.is_l2 ? sfb_gate : ptx::ld_shared_f32(&ss.sfb[stage][2 * wg + 1]);
+            const float sfb_up = kL2 ? sfb_gate : ptx::ld_shared_f32(&ss.sfb[stage][2 * wg + 1]);
             const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.a[stage], rows.group_rows * kBlockK);  // RsRows's rows
             #pragma unroll
             for (uint32_t u = 0; u < 2; ++u)
@@ -658,7 +660,7 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
                     acc[u][i] = fmaf(part[u][i], sfa[i / 4][i % 2] * (((i / 2) % 2) ? sfb_up : sfb_gate), acc[u][i]);
         }
         MEGAMOE_PROF(const uint64_t prof_t2 = prof.mainloop_end(tile);)
-        if (tile.is_l2)
+        if (kL2)
             rs_epilogue_l2(p, ss, tile, rows, acc, wg, tid);
         else if (!rs_epilogue_l1(p, ss, tile, rows, acc, wg, tid, prof, l1_tiles))
             return kConsumerPublisherLate;
@@ -698,7 +700,8 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
         if (kWeightFp4 && rs_tile(ss.schedule, tile)) {
             // MXFP4 decode tile: the weights as register operands (run_tile_rs); it reads no e4m3
             // tile and its epilogue syncs both warpgroups before and after using tile 0
-            status = run_tile_rs(p, ss, tile, wg, tid, it, prof, l1_tiles);
+            status = tile.is_l2 ? run_tile_rs<true>(p, ss, tile, wg, tid, it, prof, l1_tiles)
+                                 : run_tile_rs<false>(p, ss, tile, wg, tid, it, prof, l1_tiles);
             after_wide = false;
         } else if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with

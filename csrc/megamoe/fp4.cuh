@@ -177,29 +177,35 @@ __device__ __forceinline__ void fp4_expand_part(const uint8_t* raw, const uint2*
     }
 }
 
+// Where the table entry of scale-index byte `byte` of a row lies: `scaled` is the row's index
+// word times sizeof(uint2) (each index is below kFp4NumScales, so each byte's product stays in its
+// byte), `table` the table's shared-memory address, a multiple of the table's 256 bytes, so the
+// entry's offset is the address's low byte: one prmt makes the address, where an index, a shift and
+// an add take three (or two IMADs compute a normal entry).
+static_assert(kFp4NumScales * sizeof(uint2) == 256, "fp4_table_slot: the entry offsets are one byte");
+__device__ __forceinline__ uint32_t fp4_table_slot(uint32_t table, uint32_t scaled, uint32_t byte) {
+    return ptx::prmt(scaled, table, 0x7650u | byte);
+}
+
 // The register-operand path (decode tiles of at most 16 rows, consumer.cuh run_tile_rs): the A
 // fragments of one 64-row unit of the stage for its four K steps, expanded straight from the
 // stored words.  Thread (warp w, lane l: g = l / 4, t = l % 4) holds rows first_row = unit + 16 w
 // + g and first_row + 8; a[s] = {row g K 32 s + 4 t.., row g + 8 the same, row g K 32 s + 16 + 4 t..,
-// row g + 8 the same} (wgmma's .e4m3 A fragment), which is word t of run s of each row: the
-// rows' group t, one 16-byte load each at `offset` (fp4_group_offset of the two rows and t,
-// computed by the caller once per tile).  `idx`: the two rows' scale-index words; a word's scale is
-// its run's (L1) or, in L2's permuted runs, the 64-column group's run 2 (s / 2) + t / 2
-// (fp4_expand_row).  kTable as in fp4_expand_row.
-template <bool kTable>
-__device__ __forceinline__ void fp4_unit_fragments(const uint8_t* raw, const uint2* table, const uint32_t (&offset)[2],
-                                                   uint32_t t, const uint32_t (&idx)[2], bool is_l2, uint32_t (&a)[4][4]) {
-    uint4 w[2];
-    #pragma unroll
-    for (uint32_t r = 0; r < 2; ++r)
-        w[r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + offset[r]));
+// row g + 8 the same} (wgmma's .e4m3 A fragment), which is word t of run s of each row: `w`, the
+// rows' groups t (one 16-byte load each, at fp4_group_offset of the row and t).  `scaled`: the two
+// rows' scale-index words times sizeof(uint2); a word's scale is its run's (L1) or, in L2's
+// permuted runs, the 64-column group's run 2 (s / 2) + t / 2 (fp4_expand_row).  Every entry comes
+// from the table at `table` (its shared-memory address): one prmt and one load a word, against
+// an index prmt and two IMADs for a computed one, and no vote on the indices, since the table
+// holds the subnormal and flushed entries too.
+__device__ __forceinline__ void fp4_unit_fragments(const uint4 (&w)[2], uint32_t table, uint32_t t,
+                                                   const uint32_t (&scaled)[2], bool is_l2, uint32_t (&a)[4][4]) {
     #pragma unroll
     for (uint32_t r = 0; r < 2; ++r) {
         #pragma unroll
         for (uint32_t s = 0; s < 4; ++s) {
             const uint32_t byte = is_l2 ? (s & 2u) | (t >> 1) : s;
-            const uint32_t index = fp4_index_byte(idx[r], byte);
-            const uint2 lut = kTable ? ptx::ld_shared_v2_u32(&table[index]) : fp4_entry(index);
+            const uint2 lut = ptx::ld_shared_v2_u32_at(fp4_table_slot(table, scaled[r], byte));
             fp4_expand_word(fp4_group_word(w[r], s), lut, a[s][r], a[s][2 + r]);
         }
     }

@@ -94,6 +94,15 @@ __device__ __forceinline__ uint2 ld_shared_v2_u32(const void* ptr) {
     return v;
 }
 
+// A load from a shared-memory address, not volatile and without a memory clobber: for data
+// that no longer changes (the MXFP4 table after the schedule barrier), which the compiler may
+// schedule with the arithmetic around it
+__device__ __forceinline__ uint2 ld_shared_v2_u32_at(uint32_t addr) {
+    uint2 v;
+    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+
 __device__ __forceinline__ void st_shared_v4_u32(void* ptr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(ptr)), "r"(a), "r"(b), "r"(c), "r"(d)
                  : "memory");

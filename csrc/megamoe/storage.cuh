@@ -1,6 +1,7 @@
 // What the roles share in shared memory: the stage ring, the tile handoffs, the schedule and
 // the publisher's slots (one struct, so contract.smem_budget can check its size: kernel.cuh).
 #pragma once
+#include <cstddef>
 #include <type_traits>
 
 #include "dispatch.cuh"
@@ -17,6 +18,7 @@ struct Fp4Storage {
 };
 struct NoFp4Storage {};
 static_assert(sizeof(Fp4Storage) % 1024 == 0, "the stage buffers after Fp4Storage must stay 1024-byte aligned");
+static_assert(offsetof(Fp4Storage, fp4_table) % 256 == 0, "fp4_table_slot: the table starts at a multiple of 256 bytes");
 
 struct SharedStorage : std::conditional<kWeightFp4, Fp4Storage, NoFp4Storage>::type {
     // Stage buffers (each A/B tile 1024-byte aligned for the 128B swizzle)
