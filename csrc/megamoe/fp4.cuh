@@ -24,8 +24,9 @@ constexpr uint32_t kFp4DataBytes = kFp4StageRows * kFp4RowBytes;
 constexpr uint32_t kFp4NumScales = 32;
 constexpr int32_t kFp4ScaleBias = 25;
 // Scale indices from which every e2m1 magnitude times 2^(index - kFp4ScaleBias) is a normal e4m3
-// value: the expansion computes those table entries (fp4_entry), and reads the rest (rounded
-// subnormals, flushes) from the table in shared memory.
+// value: the stored-tile expansion computes those table entries (fp4_entry), and reads the rest
+// (rounded subnormals, flushes) from the table in shared memory; the register-operand path reads
+// every entry from the table (fp4_unit_fragments).
 constexpr uint32_t kFp4FirstNormalIndex = kFp4ScaleBias - 5;
 
 // Bit 7 of byte b is set where scale-index byte b of `word` is at least kFp4FirstNormalIndex
