@@ -422,10 +422,11 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
 // block at world size 2 each source's first 8: rs_tile) runs with the operands swapped: each
 // WGMMA's A is 64 weight rows, expanded from the stage straight into fragments
 // (fp4_unit_fragments), and its B those 16 rows of the A tile (m64n16k32): no e4m3 tile and a
-// quarter of a 64-row tile's MMA and promotion work (PERF_NOTES entries 95-96).  Warpgroup wg owns weight rows [128 wg, 128 wg + 128) as two 64-row units;
-// accumulator i of unit u is weight row 128 wg + 64 u + 16 warp + g + 8 ((i / 2) % 2) (g = lane
-// / 4) for token 8 (i / 4) + 2 t + i % 2 (t = lane % 4).  The epilogues transpose through e4m3
-// tile 0, which these tiles do not otherwise use, between barriers of both warpgroups.
+// quarter of a 64-row tile's MMA and promotion work (PERF_NOTES entries 95-96).  Warpgroup wg
+// owns weight rows [128 wg, 128 wg + 128) as two 64-row units; accumulator i of unit u is weight
+// row 128 wg + 64 u + 16 warp + g + 8 ((i / 2) % 2) (g = lane / 4) for token 8 (i / 4) + 2 t + i % 2
+// (t = lane % 4).  The epilogues transpose through e4m3 tile 0, which these tiles do not
+// otherwise use, between barriers of both warpgroups.
 constexpr uint32_t kRsTokens = 16;
 // The block rows a tile's 16 tokens are: token j is row j, except in a direct-pool block at world
 // size 2, where source rank 1's rows start at kDirectRowsPerSrc: there tokens 8-15 are rank 1's
