@@ -135,7 +135,7 @@ constexpr uint32_t kBarDispatch = 2;   // dispatch warps
 constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
 constexpr uint32_t kBarPublish = 4;    // 4 and 5 (L1-tile parity): consumer warpgroups -> publisher warp
 constexpr uint32_t kBarExpand = 6;     // 6 and 7 (warpgroup): MXFP4 B half expanded
-constexpr uint32_t kBarExpandBoth = 8; // both consumer warpgroups: MXFP4 B tile expanded (wide slices)
+constexpr uint32_t kBarSkew = 8;       // both consumer warpgroups: warpgroup 0 expanded a wide MXFP4 tile's first K block
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 

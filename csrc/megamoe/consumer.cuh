@@ -31,57 +31,72 @@ __device__ __forceinline__ void fp4_expand(const Storage& ss, uint32_t stage, ui
 
 __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
-// What one consumer warpgroup owns inside a tile: 64 rows starting at `row_base`, and
-// kHalves 128-column halves (`half(h)` is the tile half of local half h).  Wide (block_m 128):
-// rows 64 wg.. and both halves.  Split columns (block_m 64, or a narrow block_m 128 block,
-// one with at most 64 valid rows): rows 0-63 and half wg, so a block that is mostly padding
-// costs half the WGMMAs (notes entry 27).
+// What one consumer warpgroup owns inside a tile: kParts parts of 64 rows x 128 columns, part j
+// the rows from row_base(row_set(j)) and tile half half(j), its accumulators acc[64 j ..].
+// FP8 wide (block_m 128): rows 64 wg.. and both halves.  Split columns (block_m 64, or a narrow
+// block_m 128 block, one with at most 64 valid rows): rows 0-63 and half wg, so a block that is
+// mostly padding costs half the WGMMAs (notes entry 27).  MXFP4 wide (kRowSets 2): all 128 rows
+// of half wg, so each warpgroup's WGMMAs read only the e4m3 half it expands itself and the two
+// warpgroups never wait for each other inside the K loop: one's expansion can run under the
+// other's WGMMAs.
 template <bool kNarrow>
 struct WgSlice {
-    static constexpr bool kSplitColumns = kBlockM == 64 || kNarrow;
-    static constexpr uint32_t kHalves = kSplitColumns ? 1 : 2;
+    static constexpr uint32_t kRowSets = kWeightFp4 && kBlockM == 128 && !kNarrow ? 2 : 1;
+    static constexpr bool kSplitColumns = kBlockM == 64 || kNarrow || kRowSets == 2;
+    static constexpr uint32_t kParts = kSplitColumns && kRowSets == 1 ? 1 : 2;
     uint32_t wg;
-    __device__ __forceinline__ uint32_t row_base() const { return kSplitColumns ? 0 : 64 * wg; }
-    __device__ __forceinline__ uint32_t half(uint32_t h) const { return kSplitColumns ? wg : h; }
+    // The first row of row set `set`
+    __device__ __forceinline__ uint32_t row_base(uint32_t set) const {
+        return kRowSets == 2 ? 64 * set : kSplitColumns ? 0 : 64 * wg;
+    }
+    __device__ __forceinline__ uint32_t row_set(uint32_t j) const { return kRowSets == 2 ? j : 0; }
+    __device__ __forceinline__ uint32_t half(uint32_t j) const { return kSplitColumns ? wg : j; }
 };
 
 // What the epilogues read from global memory, loaded when a tile starts so that the load
 // latency is not paid between the last promotion and the stores: an L1 tile's routing
 // weights of the thread's two rows, an L2 tile's pool metadata of them ({rank, token, slot}:
 // where each row goes; only read in the epilogue, so the loop does not wait for it).
+// Row 2 s + r of the thread: row r0 + 8 r of its row set s.
+template <uint32_t kRowSets>
 struct EpilogueInputs {
-    float weight[2];
-    int4 src[2];
-    bool valid[2];  // L2: the row holds a pair (its push goes out)
+    float weight[2 * kRowSets];
+    int4 src[2 * kRowSets];
+    bool valid[2 * kRowSets];  // L2: the row holds a pair (its push goes out)
 };
 
 template <typename Slice>
-__device__ __forceinline__ EpilogueInputs load_epilogue_inputs(const Params& p, const SharedStorage& ss, const Tile& tile,
-                                                                Slice slice, uint32_t tid) {
+__device__ __forceinline__ EpilogueInputs<Slice::kRowSets> load_epilogue_inputs(const Params& p, const SharedStorage& ss,
+                                                                                 const Tile& tile, Slice slice,
+                                                                                 uint32_t tid) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
-    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
-    EpilogueInputs in;
-    if (!tile.is_l2) {
-        const float* pool_weights = at<float>(p, p.off_l1_pool_weights);
-        in.weight[0] = __ldcg(pool_weights + m0 + r0);
-        in.weight[1] = __ldcg(pool_weights + m0 + r0 + 8);
-        in.src[0] = in.src[1] = make_int4(0, 0, 0, 0);
-        in.valid[0] = in.valid[1] = false;
-    } else {
-        in.weight[0] = in.weight[1] = 0.0f;
-        const int4* meta = at<int4>(p, p.off_pool_src_meta);
-        #pragma unroll
-        for (uint32_t r = 0; r < 2; ++r) {
-            // Three scalar loads, not one vector: a dead fourth word's register would be
-            // reused by the K loop, whose write would then wait for the load to land.
-            in.src[r] = make_int4(0, 0, 0, 0);
-            in.valid[r] = tile.direct ? ss.schedule.direct_row_valid(tile.expert, r0 + 8 * r) : r0 + 8 * r < tile.rows;
-            if (in.valid[r]) {
-                const int* row_meta = reinterpret_cast<const int*>(meta + m0 + r0 + 8 * r);
-                in.src[r].x = __ldcg(row_meta);
-                in.src[r].y = __ldcg(row_meta + 1);
-                in.src[r].z = __ldcg(row_meta + 2);
+    EpilogueInputs<Slice::kRowSets> in;
+    #pragma unroll
+    for (uint32_t s = 0; s < Slice::kRowSets; ++s) {
+        const uint32_t r0 = slice.row_base(s) + warp * 16 + lane / 4;
+        if (!tile.is_l2) {
+            const float* pool_weights = at<float>(p, p.off_l1_pool_weights);
+            in.weight[2 * s] = __ldcg(pool_weights + m0 + r0);
+            in.weight[2 * s + 1] = __ldcg(pool_weights + m0 + r0 + 8);
+            in.src[2 * s] = in.src[2 * s + 1] = make_int4(0, 0, 0, 0);
+            in.valid[2 * s] = in.valid[2 * s + 1] = false;
+        } else {
+            in.weight[2 * s] = in.weight[2 * s + 1] = 0.0f;
+            const int4* meta = at<int4>(p, p.off_pool_src_meta);
+            #pragma unroll
+            for (uint32_t r = 0; r < 2; ++r) {
+                // Three scalar loads, not one vector: a dead fourth word's register would be
+                // reused by the K loop, whose write would then wait for the load to land.
+                const uint32_t k = 2 * s + r;
+                in.src[k] = make_int4(0, 0, 0, 0);
+                in.valid[k] = tile.direct ? ss.schedule.direct_row_valid(tile.expert, r0 + 8 * r) : r0 + 8 * r < tile.rows;
+                if (in.valid[k]) {
+                    const int* row_meta = reinterpret_cast<const int*>(meta + m0 + r0 + 8 * r);
+                    in.src[k].x = __ldcg(row_meta);
+                    in.src[k].y = __ldcg(row_meta + 1);
+                    in.src[k].z = __ldcg(row_meta + 2);
+                }
             }
         }
     }
@@ -176,16 +191,24 @@ __device__ __forceinline__ bool publish_l1_tile(const Params& p, Storage& ss, co
 template <typename Slice>
 __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
                                             float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
-                                            const EpilogueInputs& in, const ConsumerProfile& prof, uint32_t& l1_tiles) {
+                                            const EpilogueInputs<Slice::kRowSets>& in, const ConsumerProfile& prof,
+                                            uint32_t& l1_tiles) {
+    constexpr uint32_t kSets = Slice::kRowSets;
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
-    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t m0 = tile.block * kBlockM;
-    const float (&weight)[2] = in.weight;
+    uint32_t r0[kSets];
+    #pragma unroll
+    for (uint32_t s = 0; s < kSets; ++s)
+        r0[s] = slice.row_base(s) + warp * 16 + lane / 4;
 
     // Activations overwrite the gate slots of the accumulators.
-    float amax[2] = {0.0f, 0.0f};
+    float amax[kSets][2];
     #pragma unroll
-    for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+    for (uint32_t s = 0; s < kSets; ++s)
+        amax[s][0] = amax[s][1] = 0.0f;
+    #pragma unroll
+    for (uint32_t h = 0; h < Slice::kParts; ++h) {
+        const uint32_t set = slice.row_set(h);
         #pragma unroll
         for (uint32_t g = 0; g < 8; ++g) {
             #pragma unroll
@@ -194,62 +217,83 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
                 for (uint32_t e = 0; e < 2; ++e) {
                     float& gate = acc[64 * h + 8 * g + 2 * r + e];
                     const float up = acc[64 * h + 8 * g + 4 + 2 * r + e];
+                    const float weight = in.weight[2 * set + r];
                     if constexpr (kActivationClamp > 0.0f)
                         gate = silu(fminf(gate, kActivationClamp)) *
-                               fminf(fmaxf(up, -kActivationClamp), kActivationClamp) * weight[r];
+                               fminf(fmaxf(up, -kActivationClamp), kActivationClamp) * weight;
                     else
-                        gate = silu(gate) * up * weight[r];
-                    amax[r] = fmaxf(amax[r], fabsf(gate));
+                        gate = silu(gate) * up * weight;
+                    amax[set][r] = fmaxf(amax[set][r], fabsf(gate));
                 }
             }
         }
     }
     #pragma unroll
-    for (uint32_t r = 0; r < 2; ++r) {
-        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
-        amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+    for (uint32_t s = 0; s < kSets; ++s) {
+        #pragma unroll
+        for (uint32_t r = 0; r < 2; ++r) {
+            amax[s][r] = fmaxf(amax[s][r], __shfl_xor_sync(0xffffffffu, amax[s][r], 1));
+            amax[s][r] = fmaxf(amax[s][r], __shfl_xor_sync(0xffffffffu, amax[s][r], 2));
+        }
     }
     if constexpr (Slice::kSplitColumns) {
         // The row's other 64 channels live in the other warpgroup.
         if (q == 0) {
-            ss.row_amax[slice.wg][r0] = amax[0];
-            ss.row_amax[slice.wg][r0 + 8] = amax[1];
+            #pragma unroll
+            for (uint32_t s = 0; s < kSets; ++s) {
+                ss.row_amax[slice.wg][r0[s]] = amax[s][0];
+                ss.row_amax[slice.wg][r0[s] + 8] = amax[s][1];
+            }
         }
         ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
-        amax[0] = fmaxf(ss.row_amax[0][r0], ss.row_amax[1][r0]);
-        amax[1] = fmaxf(ss.row_amax[0][r0 + 8], ss.row_amax[1][r0 + 8]);
+        #pragma unroll
+        for (uint32_t s = 0; s < kSets; ++s) {
+            amax[s][0] = fmaxf(ss.row_amax[0][r0[s]], ss.row_amax[1][r0[s]]);
+            amax[s][1] = fmaxf(ss.row_amax[0][r0[s] + 8], ss.row_amax[1][r0[s] + 8]);
+        }
     }
-    float sf[2], inv[2];
+    float sf[kSets][2], inv[kSets][2];
     #pragma unroll
-    for (uint32_t r = 0; r < 2; ++r) {
-        sf[r] = fmaxf(amax[r], 1e-4f) / 448.0f;
-        inv[r] = 1.0f / sf[r];
+    for (uint32_t s = 0; s < kSets; ++s) {
+        #pragma unroll
+        for (uint32_t r = 0; r < 2; ++r) {
+            sf[s][r] = fmaxf(amax[s][r], 1e-4f) / 448.0f;
+            inv[s][r] = 1.0f / sf[s][r];
+        }
     }
     uint8_t* pool = at<uint8_t>(p, p.off_l2_pool);
     #pragma unroll
-    for (uint32_t r = 0; r < 2; ++r) {
-        uint8_t* dst = pool + static_cast<uint64_t>(m0 + r0 + 8 * r) * kIntermediate + tile.n * 128 + 16 * q;
+    for (uint32_t s = 0; s < kSets; ++s) {
         #pragma unroll
-        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
-            uint32_t packed[4];
+        for (uint32_t r = 0; r < 2; ++r) {
+            uint8_t* dst = pool + static_cast<uint64_t>(m0 + r0[s] + 8 * r) * kIntermediate + tile.n * 128 + 16 * q;
             #pragma unroll
-            for (uint32_t w = 0; w < 4; ++w) {
-                // bytes 4 w .. 4 w + 3 = channels g = 2 w, 2 w + 1 (e = 0, 1 each)
-                const float* a0 = &acc[64 * h + 8 * (2 * w) + 2 * r];
-                const float* a1 = &acc[64 * h + 8 * (2 * w + 1) + 2 * r];
-                const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a0[0] * inv[r], a0[1] * inv[r]),
-                                                                         __NV_SATFINITE, __NV_E4M3);
-                const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(a1[0] * inv[r], a1[1] * inv[r]),
-                                                                         __NV_SATFINITE, __NV_E4M3);
-                packed[w] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+            for (uint32_t h = 0; h < Slice::kParts; ++h) {
+                if (slice.row_set(h) != s)
+                    continue;
+                uint32_t packed[4];
+                #pragma unroll
+                for (uint32_t w = 0; w < 4; ++w) {
+                    // bytes 4 w .. 4 w + 3 = channels g = 2 w, 2 w + 1 (e = 0, 1 each)
+                    const float* a0 = &acc[64 * h + 8 * (2 * w) + 2 * r];
+                    const float* a1 = &acc[64 * h + 8 * (2 * w + 1) + 2 * r];
+                    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+                        make_float2(a0[0] * inv[s][r], a0[1] * inv[s][r]), __NV_SATFINITE, __NV_E4M3);
+                    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+                        make_float2(a1[0] * inv[s][r], a1[1] * inv[s][r]), __NV_SATFINITE, __NV_E4M3);
+                    packed[w] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+                }
+                *reinterpret_cast<uint4*>(dst + slice.half(h) * 64) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
             }
-            *reinterpret_cast<uint4*>(dst + slice.half(h) * 64) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
     }
     if ((!Slice::kSplitColumns || slice.wg == 0) && q == 0) {
         float* pool_sf = at<float>(p, p.off_l2_pool_sf) + static_cast<uint64_t>(tile.n) * p.num_max_pool_tokens + m0;
-        pool_sf[r0] = sf[0];
-        pool_sf[r0 + 8] = sf[1];
+        #pragma unroll
+        for (uint32_t s = 0; s < kSets; ++s) {
+            pool_sf[r0[s]] = sf[s][0];
+            pool_sf[r0[s] + 8] = sf[s][1];
+        }
     }
     return publish_l1_tile(p, ss, tile, tid, prof, l1_tiles);
 }
@@ -262,22 +306,24 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
 template <typename Slice>
 __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
                                             const float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
-                                            const EpilogueInputs& in) {
-    const uint32_t warp = (tid % 128) / 32, lane = tid % 32, q = lane % 4;
-    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
+                                            const EpilogueInputs<Slice::kRowSets>& in) {
+    const uint32_t q = tid % 4;
     (void)ss;
     __nv_bfloat16* combine = at<__nv_bfloat16>(p, p.off_combine);
     #pragma unroll
-    for (uint32_t r = 0; r < 2; ++r) {
-        if (!in.valid[r])
+    for (uint32_t k = 0; k < 2 * Slice::kRowSets; ++k) {
+        const uint32_t r = k % 2;
+        if (!in.valid[k])
             continue;
-        const int4 src = in.src[r];
+        const int4 src = in.src[k];
         __nv_bfloat16* dst = combine +
                              (static_cast<uint64_t>(src.z) * kNumMaxTokens + static_cast<uint32_t>(src.y)) * kHidden +
                              tile.n * kBlockN;
         dst = map_to_rank(p, dst, static_cast<uint32_t>(src.x));
         #pragma unroll
-        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+        for (uint32_t h = 0; h < Slice::kParts; ++h) {
+            if (slice.row_set(h) != k / 2)
+                continue;
             #pragma unroll
             for (uint32_t jj = 0; jj < 4; ++jj) {
                 uint32_t packed[4];
@@ -329,10 +375,11 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     using Slice = WgSlice<kNarrow>;
     const Slice slice{wg};
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32;
-    const uint32_t r0 = slice.row_base() + warp * 16 + lane / 4;
     const uint32_t num_k = tile.is_l2 ? kNumL2KBlocks : kNumL1KBlocks;
     MEGAMOE_PROF(uint64_t* prof_c = prof.counters;)
-    const EpilogueInputs in = load_epilogue_inputs(p, ss, tile, slice, tid);
+    EpilogueInputs<Slice::kRowSets> in;
+    if constexpr (Slice::kRowSets == 1)
+        in = load_epilogue_inputs(p, ss, tile, slice, tid);
     #pragma unroll
     for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
         acc[i] = 0.0f;
@@ -341,42 +388,50 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         if (!k_block.wait_full(p, ss, tile, kb, prof))
             return k_block.phase;
         const uint32_t it_uniform = k_block.it_uniform, stage = k_block.stage;
-        // MXFP4: warpgroup wg expands B half wg into e4m3 tile it % 2, then a barrier orders
-        // the expansion (and every warp's proxy fence) before the WGMMAs that read it: the
-        // warpgroup's own when it reads only that half (split columns), both warpgroups' when
-        // each reads both (a wide block_m 128 slice: the expansion per FLOP halves).
+        // MXFP4: warpgroup wg expands B half wg into e4m3 tile it % 2, then a barrier of the
+        // warpgroup orders the expansion (and every warp's proxy fence) before its WGMMAs, the
+        // only ones that read that half (every MXFP4 slice splits the columns: WgSlice).
         // NOTES: expanding K block it overwrites half wg of tile (it - 2) % 2 only after the
-        // barrier of it - 1, which every warp that read that half at it - 2 reaches after waiting
-        // for its WGMMAs of it - 2: in a wide K block it - 1 both warpgroups do; in a split one
-        // only warpgroup wg, and then wg alone read the half at it - 2 too, unless it - 2 was the
-        // last K block of a wide tile: for that case consumer_loop syncs both warpgroups before
-        // a split tile that follows a wide one.  (Expanding K block it + 1 under the WGMMAs of
+        // barrier of it - 1, which every warp of warpgroup wg, the half's only reader, reaches
+        // after waiting for its WGMMAs of it - 2.  (Expanding K block it + 1 under the WGMMAs of
         // it measured slower: docs/PERF_NOTES.md.)
         const uint32_t b_tile = kWeightFp4 ? it_uniform & 1 : stage;
         if constexpr (kWeightFp4) {
+            static_assert(Slice::kSplitColumns, "an MXFP4 e4m3 half has one reader");
+#ifdef MEGAMOE_FP4_SKEW
+            if (Slice::kRowSets == 2 && kb == 0 && wg == 1)
+                ptx::named_bar_sync(kBarSkew, kNumConsumerThreads);
+#endif
             MEGAMOE_PROF(const uint64_t prof_t3 = clock64();)
             fp4_expand(ss, stage, ss.b[b_tile], wg, tile.is_l2, tid);
             ptx::fence_proxy_async_shared();  // the WGMMAs read the e4m3 tile through the async proxy
             MEGAMOE_PROF(const uint64_t prof_t4 = clock64(); if (prof.sampler) prof_c[14] += prof_t4 - prof_t3;)
-            if constexpr (!Slice::kSplitColumns)
-                ptx::named_bar_sync(kBarExpandBoth, kNumConsumerThreads);
-            else if (wg)
+            if (wg)
                 ptx::named_bar_sync(kBarExpand + 1, 128);
             else
                 ptx::named_bar_sync(kBarExpand, 128);
+#ifdef MEGAMOE_FP4_SKEW
+            if (Slice::kRowSets == 2 && kb == 0 && wg == 0)
+                ptx::named_bar_arrive(kBarSkew, kNumConsumerThreads);
+#endif
             MEGAMOE_PROF(if (prof.sampler) prof_c[15] += clock64() - prof_t4;)
         }
-        const float sfa0 = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
-        const float sfa1 = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
-        float sfb_even[Slice::kHalves], sfb_odd[Slice::kHalves];
+        float sfa[Slice::kRowSets][2];
         #pragma unroll
-        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+        for (uint32_t s = 0; s < Slice::kRowSets; ++s) {
+            const uint32_t r0 = slice.row_base(s) + warp * 16 + lane / 4;
+            sfa[s][0] = ptx::ld_shared_f32(&ss.sfa[stage][r0]);
+            sfa[s][1] = ptx::ld_shared_f32(&ss.sfa[stage][r0 + 8]);
+        }
+        float sfb_even[Slice::kParts], sfb_odd[Slice::kParts];
+        #pragma unroll
+        for (uint32_t h = 0; h < Slice::kParts; ++h) {
             sfb_even[h] = ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h)]);
             sfb_odd[h] = tile.is_l2 ? sfb_even[h] : ptx::ld_shared_f32(&ss.sfb[stage][2 * slice.half(h) + 1]);
         }
-        const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base() * kBlockK);
         #pragma unroll
-        for (uint32_t h = 0; h < Slice::kHalves; ++h) {
+        for (uint32_t h = 0; h < Slice::kParts; ++h) {
+            const uint64_t desc_a = ptx::make_smem_desc_sw128(ss.a[stage] + slice.row_base(slice.row_set(h)) * kBlockK);
             const uint64_t desc_b = ptx::make_smem_desc_sw128(ss.b[b_tile] + slice.half(h) * 128 * kBlockK);
             #pragma unroll
             for (uint32_t i = 0; i < 64; ++i)
@@ -393,10 +448,11 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
             for (uint32_t i = 0; i < 64; ++i)
                 ptx::warpgroup_fence_operand(part[i]);
             MEGAMOE_PROF(if (kWeightFp4 && prof.sampler) prof_c[13] += clock64() - prof_t5;)
-            if (h == Slice::kHalves - 1 && lane == 0)
+            if (h == Slice::kParts - 1 && lane == 0)
                 release_stage(ss, stage);
 
             // Promote: acc += part * sfa(row) * sfb(column group)
+            const float sfa0 = sfa[slice.row_set(h)][0], sfa1 = sfa[slice.row_set(h)][1];
             const float s00 = sfa0 * sfb_even[h], s01 = sfa0 * sfb_odd[h];
             const float s10 = sfa1 * sfb_even[h], s11 = sfa1 * sfb_odd[h];
             #pragma unroll
@@ -409,6 +465,8 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         }
     }
     MEGAMOE_PROF(const uint64_t prof_t2 = prof.mainloop_end(tile);)
+    if constexpr (Slice::kRowSets == 2)
+        in = load_epilogue_inputs(p, ss, tile, slice, tid);
     if (tile.is_l2)
         epilogue_l2(p, ss, tile, acc, slice, tid, in);
     else if (!epilogue_l1(p, ss, tile, acc, slice, tid, in, prof, l1_tiles))
@@ -674,7 +732,6 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
                                                   const ConsumerProfile& prof, uint32_t& l1_tiles) {
     float acc[64 * kNumHalvesPerWg], part[64];
     uint32_t it = 0;
-    bool after_wide = false;  // MXFP4, block_m 128: the last tile was wide (see run_tile)
     MEGAMOE_PROF(uint64_t* prof_c = prof.counters;
                  if (prof.sampler) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0;
                                      for (uint32_t i = 10; i < 16; ++i) prof_c[i] = 0;
@@ -703,18 +760,10 @@ __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage
             // tile and its epilogue syncs both warpgroups before and after using tile 0
             status = tile.is_l2 ? run_tile_rs<true>(p, ss, tile, wg, tid, it, prof, l1_tiles)
                                  : run_tile_rs<false>(p, ss, tile, wg, tid, it, prof, l1_tiles);
-            after_wide = false;
         } else if constexpr (kBlockM == 128) {
             // A block with at most 64 valid rows (an expert's last, mostly padding) runs with
             // the columns split between the warpgroups: half the WGMMAs (notes entry 27).
             const bool narrow = tile.rows <= 64;
-            if constexpr (kWeightFp4) {
-                // MXFP4: a split tile's second K block overwrites the e4m3 tile that both
-                // warpgroups read in the wide tile's last; each must be done with it (run_tile).
-                if (narrow && after_wide)
-                    ptx::named_bar_sync(kBarExpandBoth, kNumConsumerThreads);
-                after_wide = !narrow;
-            }
             status = narrow ? run_tile<true>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles)
                             : run_tile<false>(p, ss, tile, wg, tid, it, acc, part, prof, l1_tiles);
         } else {

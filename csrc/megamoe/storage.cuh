@@ -28,7 +28,7 @@ struct SharedStorage : std::conditional<kWeightFp4, Fp4Storage, NoFp4Storage>::t
     // B scales of the stage's K block: {half 0 gate, half 0 up, half 1 gate, half 1 up} for
     // L1; {half 0, -, half 1, -} for L2 (copied by the producer with the stage)
     alignas(16) float sfb[kNumStages][4];
-    float row_amax[2][64];
+    float row_amax[2][kWeightFp4 ? kBlockM : 64];  // per consumer warpgroup, by tile row (epilogue_l1)
     // L1 tiles handed to the publisher warp (publish_l1_tiles), by parity: {ready word index,
     // bit, the tile's sequence number among this CTA's L1 tiles, -}
     alignas(16) uint4 publish_slot[2];
