@@ -294,7 +294,8 @@ def smem_budget(num_experts: int, num_ranks: int, block_m: int, num_stages: int,
         # e4m3 B tiles: one per stage (TMA writes them), or two the MXFP4 consumers expand into
         "b": (2 if fp4 else num_stages) * BLOCK_N * BLOCK_K,
         "b_raw (MXFP4 stages), fp4_table": num_stages * FP4_STAGE_BYTES + FP4_TABLE_BYTES if fp4 else 0,
-        "row_amax": 2 * 64 * 4,
+        # a row's amax per consumer warpgroup: a split slice's rows (MXFP4 wide slices: all block_m)
+        "row_amax": 2 * (block_m if fp4 else 64) * 4,
         "full, empty, stage_tile": 32 * num_stages + 16,
         "tile_slot": 8 * (num_stages + 2),
         "schedule": 4 * (e_local + 2 * (e_local + 1) + e_local * (num_ranks + 1)) + 8 + 8,
