@@ -59,10 +59,10 @@ constexpr uint32_t kNumExpertsPerRank = kNumExperts / kNumRanks;
 
 // Tile shape: BLOCK_M pool rows x BLOCK_N output columns, K step 128 (one scale block).
 // BLOCK_M = 64: each consumer warpgroup owns one 128-column half of the tile (decode).
-// BLOCK_M = 128: each consumer warpgroup owns 64 rows and both column halves (prefill:
-// half the B traffic per FLOP).
+// BLOCK_M = 128: each consumer warpgroup owns two 64 x 128 parts (prefill: half the B traffic
+// per FLOP), 64 rows and both column halves (FP8) or all rows and one half (MXFP4; WgSlice).
 constexpr uint32_t kBlockM = MEGAMOE_BLOCK_M;
-constexpr uint32_t kNumHalvesPerWg = kBlockM / 64;
+constexpr uint32_t kNumPartsPerWg = kBlockM / 64;
 // Cluster of kClusterM CTAs sharing each stage's B or A by TMA multicast: consecutive M blocks
 // of one expert and the same N tile (each CTA loads 256 / kClusterM rows of B and multicasts
 // them to all), or an expert's odd last block and consecutive N tiles (the leader multicasts A).
@@ -135,7 +135,6 @@ constexpr uint32_t kBarDispatch = 2;   // dispatch warps
 constexpr uint32_t kBarConsumers = 3;  // both consumer warpgroups
 constexpr uint32_t kBarPublish = 4;    // 4 and 5 (L1-tile parity): consumer warpgroups -> publisher warp
 constexpr uint32_t kBarExpand = 6;     // 6 and 7 (warpgroup): MXFP4 B half expanded
-constexpr uint32_t kBarSkew = 8;       // both consumer warpgroups: warpgroup 0 expanded a wide MXFP4 tile's first K block
 
 __device__ __forceinline__ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 

@@ -53,10 +53,12 @@ struct WgSlice {
     __device__ __forceinline__ uint32_t half(uint32_t j) const { return kSplitColumns ? wg : j; }
 };
 
-// What the epilogues read from global memory, loaded when a tile starts so that the load
-// latency is not paid between the last promotion and the stores: an L1 tile's routing
-// weights of the thread's two rows, an L2 tile's pool metadata of them ({rank, token, slot}:
-// where each row goes; only read in the epilogue, so the loop does not wait for it).
+// What the epilogues read from global memory: an L1 tile's routing weights of the thread's
+// rows, an L2 tile's pool metadata of them ({rank, token, slot}: where each row goes).  Loaded
+// when a tile starts, so that the latency is not paid between the last promotion and the
+// stores (only the epilogue reads them, so the loop does not wait for them), except for MXFP4
+// wide slices: their four rows' inputs held through the loop make ptxas spill, so run_tile
+// loads them after it.
 // Row 2 s + r of the thread: row r0 + 8 r of its row set s.
 template <uint32_t kRowSets>
 struct EpilogueInputs {
@@ -190,7 +192,7 @@ __device__ __forceinline__ bool publish_l1_tile(const Params& p, Storage& ss, co
 // columns carry the same permutation (transform_weights_for_mega_moe).
 template <typename Slice>
 __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, const Tile& tile,
-                                            float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
+                                            float (&acc)[64 * kNumPartsPerWg], Slice slice, uint32_t tid,
                                             const EpilogueInputs<Slice::kRowSets>& in, const ConsumerProfile& prof,
                                             uint32_t& l1_tiles) {
     constexpr uint32_t kSets = Slice::kRowSets;
@@ -305,7 +307,7 @@ __device__ __forceinline__ bool epilogue_l1(const Params& p, SharedStorage& ss, 
 // (16 bytes) per 32-column group and writes them with one vector store; no staging.
 template <typename Slice>
 __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, const Tile& tile,
-                                            const float (&acc)[64 * kNumHalvesPerWg], Slice slice, uint32_t tid,
+                                            const float (&acc)[64 * kNumPartsPerWg], Slice slice, uint32_t tid,
                                             const EpilogueInputs<Slice::kRowSets>& in) {
     const uint32_t q = tid % 4;
     (void)ss;
@@ -341,7 +343,7 @@ __device__ __forceinline__ void epilogue_l2(const Params& p, SharedStorage& ss, 
 }
 
 // MMA consumer warpgroup `wg` (0 or 1); see WgSlice for the part of each tile it owns.
-// Per 128-K block and column half: 4 WGMMAs into `part`, wait, then promote into `acc`
+// Per 128-K block and part (WgSlice): 4 WGMMAs into `part`, wait, then promote into `acc`
 // with the row's A scale and the half's B scale(s).  Returns kConsumerOk, or the parity of
 // a stage wait that timed out (the caller reports it: no call inside this loop).
 constexpr uint32_t kConsumerOk = 0xffffffffu;
@@ -370,7 +372,7 @@ struct KBlock {
 // One tile: main loop and epilogue, for the warpgroup's slice of it.
 template <bool kNarrow>
 __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss, const Tile& tile, uint32_t wg,
-                                             uint32_t tid, uint32_t& it, float (&acc)[64 * kNumHalvesPerWg],
+                                             uint32_t tid, uint32_t& it, float (&acc)[64 * kNumPartsPerWg],
                                              float (&part)[64], const ConsumerProfile& prof, uint32_t& l1_tiles) {
     using Slice = WgSlice<kNarrow>;
     const Slice slice{wg};
@@ -381,7 +383,7 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
     if constexpr (Slice::kRowSets == 1)
         in = load_epilogue_inputs(p, ss, tile, slice, tid);
     #pragma unroll
-    for (uint32_t i = 0; i < 64 * kNumHalvesPerWg; ++i)
+    for (uint32_t i = 0; i < 64 * kNumPartsPerWg; ++i)
         acc[i] = 0.0f;
     for (uint32_t kb = 0; kb < num_k; ++kb, ++it) {
         const KBlock k_block(it);
@@ -398,10 +400,6 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
         const uint32_t b_tile = kWeightFp4 ? it_uniform & 1 : stage;
         if constexpr (kWeightFp4) {
             static_assert(Slice::kSplitColumns, "an MXFP4 e4m3 half has one reader");
-#ifdef MEGAMOE_FP4_SKEW
-            if (Slice::kRowSets == 2 && kb == 0 && wg == 1)
-                ptx::named_bar_sync(kBarSkew, kNumConsumerThreads);
-#endif
             MEGAMOE_PROF(const uint64_t prof_t3 = clock64();)
             fp4_expand(ss, stage, ss.b[b_tile], wg, tile.is_l2, tid);
             ptx::fence_proxy_async_shared();  // the WGMMAs read the e4m3 tile through the async proxy
@@ -410,10 +408,6 @@ __device__ __forceinline__ uint32_t run_tile(const Params& p, SharedStorage& ss,
                 ptx::named_bar_sync(kBarExpand + 1, 128);
             else
                 ptx::named_bar_sync(kBarExpand, 128);
-#ifdef MEGAMOE_FP4_SKEW
-            if (Slice::kRowSets == 2 && kb == 0 && wg == 0)
-                ptx::named_bar_arrive(kBarSkew, kNumConsumerThreads);
-#endif
             MEGAMOE_PROF(if (prof.sampler) prof_c[15] += clock64() - prof_t4;)
         }
         float sfa[Slice::kRowSets][2];
@@ -730,7 +724,7 @@ __device__ __forceinline__ uint32_t run_tile_rs(const Params& p, Storage& ss, co
 
 __device__ __forceinline__ uint32_t consumer_loop(const Params& p, SharedStorage& ss, uint32_t wg, uint32_t tid,
                                                   const ConsumerProfile& prof, uint32_t& l1_tiles) {
-    float acc[64 * kNumHalvesPerWg], part[64];
+    float acc[64 * kNumPartsPerWg], part[64];
     uint32_t it = 0;
     MEGAMOE_PROF(uint64_t* prof_c = prof.counters;
                  if (prof.sampler) { for (uint32_t i = 0; i < 8; ++i) prof_c[i] = 0;

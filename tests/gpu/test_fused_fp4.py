@@ -42,8 +42,9 @@ def test_fp4_matches_reference(group, shape_name, num_tokens):
 
 
 # block_m 128: a block with more than 64 valid rows is wide (each warpgroup expands one B half
-# and reads both, behind a barrier of both), one with at most 64 is narrow (each expands and
-# reads its own half); calls mix them, and a warpgroup's tiles change kind at tile boundaries.
+# and multiplies all 128 rows by it), one with at most 64 is narrow (the first 64 rows by it);
+# the warpgroups never wait for each other inside a K loop, calls mix wide, narrow and
+# register-operand tiles, and a warpgroup's tiles change kind at tile boundaries.
 @pytest.mark.parametrize("shape_name,num_tokens,num_stages", [
     ("small", 1, 4), ("small", 300, 3), ("small-clamp", 1000, 4), ("deepseek-v4-flash", 512, 4),
     ("deepseek-v3-fp4", 2048, 3)])
