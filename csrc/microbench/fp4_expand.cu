@@ -18,9 +18,10 @@
 //   pipelined      kernel with K block kb + 1's expansion issued between kb's commit and wait
 //   ordered        kernel with the warpgroups' WGMMAs in turns (two named barriers): each
 //                  warpgroup expands while the other's WGMMAs run
-//   wide           a block_m 128 tile's loop: each warpgroup expands its half, a barrier of both,
-//                  then each multiplies both halves (two rounds of 4 WGMMAs, wait, promotion):
-//                  twice the WGMMA work per expanded stage
+//   wide           a block_m 128 tile's loop as the kernel ran it before it split wide tiles by
+//                  columns (docs/PERF_NOTES.md entry 107): each warpgroup expands its half, a barrier
+//                  of both, then each multiplies both halves (two rounds of 4 WGMMAs, wait,
+//                  promotion): twice the WGMMA work per expanded stage
 //   wide_pipelined wide with K block kb + 1's expansion issued under kb's first half of WGMMAs
 //   quad           four consumer warpgroups (640 threads; setmaxnreg 56 / 104), each owning one
 //                  64-row quarter of B as block_m 64 with four warpgroups would: expand the
