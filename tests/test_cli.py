@@ -836,6 +836,18 @@ def test_bench_help_matches_what_it_does():
     assert "nproc" not in text
 
 
+@pytest.mark.parametrize("command,several", [("bench", True), ("build", True), ("tune", True),
+                                               ("profile", False), ("sizes", False), ("ab", False)])
+def test_weights_help_says_whether_the_command_takes_several_formats(command, several):
+    text = " ".join(run(command, "--help").stdout.split())
+    assert ("fp8,fp4 runs both side by side" in text) == several
+    assert ("Expert weight format, one of fp8" in text) == (not several)
+    if not several:  # and the command refuses two, as its help says
+        args = {"profile": ["--tokens", "1"], "sizes": [], "ab": ["--knob", "X=1,2"]}[command]
+        result = run(command, "--weights", "fp8,fp4", *args)
+        assert result.exit_code == 2 and "--weights takes one format here, got fp8,fp4" in result.output, result.output
+
+
 def test_readme_documents_what_the_help_says():
     from megamoe_cli.backends import BACKENDS
 

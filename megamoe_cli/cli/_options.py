@@ -40,10 +40,17 @@ class NameList(click.ParamType):
         return items
 
 
-def shape_options(preset_default: str = "deepseek-v3"):
-    """``--preset --hidden --intermediate --experts --topk`` (explicit flags override the preset);
-    ``preset_default`` is what the help says a command uses without ``--preset``."""
+def shape_options(preset_default: str = "deepseek-v3", multi_weights: bool = True):
+    """``--preset --hidden --intermediate --experts --topk --weights --activation-clamp`` (explicit
+    flags override the preset); ``preset_default`` is what the help says a command uses without
+    ``--preset``; ``multi_weights``: the command runs several weight formats side by side (else it
+    takes one, and says so in its help)."""
     from ..layout import PRESETS
+
+    weights_help = ("Expert weight format(s): fp8 (e4m3, 128x128 scales) or fp4 (MXFP4); default: the preset's "
+                    "(fp4 for deepseek-v4-*). fp8,fp4 runs both side by side." if multi_weights else
+                    "Expert weight format, one of fp8 (e4m3, 128x128 scales) or fp4 (MXFP4); default: the "
+                    "preset's (fp4 for deepseek-v4-*).")
 
     def decorate(command):
         decorators = [
@@ -53,9 +60,7 @@ def shape_options(preset_default: str = "deepseek-v3"):
             click.option("--intermediate", type=int, help="Expert intermediate size, a multiple of 128."),
             click.option("--experts", "num_experts", type=int, help="Number of experts."),
             click.option("--topk", "num_topk", type=int, help="Experts per token."),
-            click.option("--weights", type=NameList(("fp8", "fp4")),
-                         help="Expert weight format(s): fp8 (e4m3, 128x128 scales) or fp4 (MXFP4); "
-                              "default: the preset's (fp4 for deepseek-v4-*). fp8,fp4 runs both side by side."),
+            click.option("--weights", type=NameList(("fp8", "fp4")), help=weights_help),
             click.option("--activation-clamp", type=click.FloatRange(min=0),
                          help="SwiGLU clamp (gate <= c, -c <= up <= c; 0: none); default: the preset's."),
         ]

@@ -22,7 +22,7 @@ WHAT = "megamoe ab times the fused kernel, which runs on Hopper GPUs (sm_90a) on
               help="An environment variable and its values, each timed in this tree (the first is the reference).")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Rounds; each runs every arm once, in reversed order every other round.")
-@shape_options()
+@shape_options(multi_weights=False)
 @kernel_timing_options()
 @click.option("--timeout", "run_timeout", type=float, help="Seconds the whole A/B may take.")
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False), metavar="DIR",

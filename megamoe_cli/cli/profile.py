@@ -15,7 +15,7 @@ WHAT = "megamoe profile times the fused kernel, which runs on Hopper GPUs (sm_90
 
 
 @click.command()
-@shape_options()
+@shape_options(multi_weights=False)
 @kernel_timing_options()
 @click.option("--cycles", is_flag=True,
               help="Build the kernel with cycle counters (MEGAMOE_PROFILE=1) and show where the consumer "

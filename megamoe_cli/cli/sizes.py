@@ -36,7 +36,7 @@ def build_sizes(shape, ranks: int, tokens: int, block_m: int | None = None, gpu:
 
 
 @click.command()
-@shape_options()
+@shape_options(multi_weights=False)
 @click.option("--ranks", type=int, default=DEFAULT_RANKS, show_default=True, help="Expert-parallel world size.")
 @click.option("--tokens", type=int, default=DEFAULT_TOKENS, show_default=True,
               help="Maximum tokens per rank per call (T).")
