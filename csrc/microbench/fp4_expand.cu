@@ -42,7 +42,13 @@
 //   rs16_stage     rs16 on the kernel's stage layout (fp4.cuh: each thread's fragment words one
 //                  16-byte group at a swizzled slot): one load a row, no transposes
 //   rs64_stage     rs64 the same way
-// (the rs modes time the computed-entry path: every scale normal)
+// (the rs modes above time the computed-entry path: every scale normal)
+//   rs_kernel      the kernel's register-operand K block as consumer.cuh's run_tile_rs runs it:
+//                  each warpgroup's two 64-row units, every scale entry from the table
+//                  (fp4_unit_fragments), the four A scales and two B scales loaded per K block, 8 RS
+//                  m64n16k32, one wait, 16-FFMA promotion (no stage waits or releases: data stays)
+//   rs_quad        rs_kernel in four consumer warpgroups (640 threads; setmaxnreg 56 / 104), each one
+//                  64-row unit of the stage: the same work per stage over twice the warps
 //   wide_c2        wide in 2-CTA clusters sharing the expansion: each CTA expands one 128-row half
 //                  of the stage (each warpgroup a quarter), copies it into the other CTA's e4m3 tile
 //                  (cp.async.bulk shared::cluster, completing on that CTA's mbarrier) and runs the
@@ -57,6 +63,7 @@
 // Run:   ./fp4_expand [--kblocks N] [--subnormal] [mode ...]          (scripts/fp4_expand.sh)
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -76,16 +83,18 @@ using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
 
 enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined,
-            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kWideC2, kRs16Packed, kRs64Packed, kRs16Stage, kRs64Stage, kNumModes };
+            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kWideC2, kRs16Packed, kRs64Packed, kRs16Stage, kRs64Stage, kRsKernel, kRsQuad, kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
                                             "nofence", "pipelined", "ordered", "wide", "wide_pipelined",
                                             "quad", "quad_mma", "quad_expand", "rs16", "rs64", "rs_expand",
-                                            "wide_c2", "rs16_packed", "rs64_packed", "rs16_stage", "rs64_stage"};
+                                            "wide_c2", "rs16_packed", "rs64_packed", "rs16_stage", "rs64_stage",
+                                            "rs_kernel", "rs_quad"};
 __host__ __device__ constexpr bool is_rs(Mode m) {
     return m == kRs16 || m == kRs64 || m == kRsExpand || m == kRs16Packed || m == kRs64Packed || m == kRs16Stage ||
            m == kRs64Stage;
 }
-__host__ __device__ constexpr bool is_quad(Mode m) { return m == kQuad || m == kQuadMma || m == kQuadExpand; }
+__host__ __device__ constexpr bool is_quad(Mode m) { return m == kQuad || m == kQuadMma || m == kQuadExpand || m == kRsQuad; }
+__host__ __device__ constexpr bool is_rs_kernel(Mode m) { return m == kRsKernel || m == kRsQuad; }
 // Consumer warpgroups and threads of a mode's CTA (one more warpgroup idles, as the kernel's producer's)
 __host__ __device__ constexpr uint32_t consumer_wgs(Mode m) { return is_quad(m) ? 4 : 2; }
 __host__ __device__ constexpr uint32_t cta_threads(Mode m) { return 128 * (1 + consumer_wgs(m)); }
@@ -109,6 +118,8 @@ struct Smem {
     float sfa[64];
     float sfb[4];
 };
+
+static_assert(offsetof(Smem, table) % 256 == 0, "fp4_table_slot: the table starts at a multiple of 256 bytes");
 
 struct Result {
     unsigned long long cycles[4];  // summed over CTAs, per consumer warpgroup
@@ -354,6 +365,93 @@ __device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, ui
     }
 }
 
+// One K block of rs_kernel / rs_quad: kUnits 64-row units of the stage from the thread's first row
+// (its group and index offsets as run_tile_rs keeps them), A fragments from the table, 16 tokens.
+template <uint32_t kUnits>
+__device__ __forceinline__ void rs_kernel_k_block(Smem& s, uint32_t kb, uint32_t group_offset, uint32_t index_offset,
+                                                  uint32_t table, uint32_t tid, float (&part)[2][8], float (&acc)[2][8]) {
+    const uint32_t t = tid % 4;
+    const uint8_t* raw = s.raw[kb % kStages];
+    uint32_t scaled[kUnits][2];
+    uint4 w[kUnits][2];
+    #pragma unroll
+    for (uint32_t u = 0; u < kUnits; ++u) {
+        #pragma unroll
+        for (uint32_t r = 0; r < 2; ++r) {
+            scaled[u][r] = ptx::ld_shared_u32(raw + index_offset + (64 * u + 8 * r) * 4);
+            w[u][r] = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + group_offset + (64 * u + 8 * r) * megamoe::kFp4RowBytes));
+        }
+    }
+    uint32_t a[kUnits][4][4];
+    #pragma unroll
+    for (uint32_t u = 0; u < kUnits; ++u) {
+        #pragma unroll
+        for (uint32_t r = 0; r < 2; ++r)
+            scaled[u][r] *= sizeof(uint2);
+        megamoe::fp4_unit_fragments(w[u], table, t, scaled[u], false, a[u]);
+    }
+    float sfa[2][2];
+    #pragma unroll
+    for (uint32_t j = 0; j < 2; ++j)
+        #pragma unroll
+        for (uint32_t e = 0; e < 2; ++e)
+            sfa[j][e] = ptx::ld_shared_f32(&s.sfa[8 * j + 2 * t + e]);
+    const float sfb_gate = ptx::ld_shared_f32(&s.sfb[0]), sfb_up = ptx::ld_shared_f32(&s.sfb[1]);
+    const uint64_t desc = ptx::make_smem_desc_sw128(s.a);
+    #pragma unroll
+    for (uint32_t u = 0; u < kUnits; ++u)
+        #pragma unroll
+        for (uint32_t i = 0; i < 8; ++i)
+            ptx::warpgroup_fence_operand(part[u][i]);
+    ptx::wgmma_fence();
+    #pragma unroll
+    for (uint32_t u = 0; u < kUnits; ++u)
+        #pragma unroll
+        for (uint32_t k = 0; k < 4; ++k)
+            ptx::wgmma_m64n16k32_e4m3_rs(part[u], a[u][k], desc + 2 * k, k > 0 ? 1 : 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    #pragma unroll
+    for (uint32_t u = 0; u < kUnits; ++u)
+        #pragma unroll
+        for (uint32_t i = 0; i < 8; ++i)
+            ptx::warpgroup_fence_operand(part[u][i]);
+    #pragma unroll
+    for (uint32_t u = 0; u < kUnits; ++u)
+        #pragma unroll
+        for (uint32_t i = 0; i < 8; ++i)
+            acc[u][i] = fmaf(part[u][i], sfa[i / 4][i % 2] * (((i / 2) % 2) ? sfb_up : sfb_gate), acc[u][i]);
+}
+
+// rs_kernel / rs_quad: consumer warpgroup wg's loop over its units (two from row 128 wg, or one
+// from row 64 wg)
+template <Mode kMode>
+__device__ __forceinline__ void rs_kernel_loop(Smem& s, uint32_t tid, uint32_t wg, uint32_t num_kb, uint32_t consumers,
+                                               Result* out) {
+    constexpr uint32_t kUnits = kMode == kRsQuad ? 1 : 2;
+    const uint32_t warp = (tid % 128) / 32, g = (tid % 32) / 4, t = tid % 4;
+    const uint32_t first_row = 64 * kUnits * wg + 16 * warp + g;
+    uint32_t group_offset = megamoe::fp4_group_offset(first_row, t);
+    uint32_t index_offset = kFp4DataBytes + first_row * 4;
+    asm volatile("" : "+r"(group_offset), "+r"(index_offset));
+    const uint32_t table = ptx::smem_addr(s.table);
+    float part[2][8], acc[2][8];
+    #pragma unroll
+    for (uint32_t u = 0; u < 2; ++u)
+        #pragma unroll
+        for (uint32_t i = 0; i < 8; ++i)
+            part[u][i] = acc[u][i] = 0.0f;
+    long long start = 0;
+    for (uint32_t kb = 0; kb < kWarmup + num_kb; ++kb) {
+        if (kb == kWarmup) {
+            ptx::named_bar_sync(kBarBoth, consumers);
+            start = clock64();
+        }
+        rs_kernel_k_block<kUnits>(s, kb, group_offset, index_offset, table, tid, part, acc);
+    }
+    report<16>(out, &acc[0][0], clock64() - start, wg, tid);
+}
+
 // One K block of the mode in warpgroup wg (kb counts from 0 over warm-up and timed blocks).
 template <Mode kMode>
 __device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, uint32_t wg, uint32_t tid,
@@ -451,7 +549,13 @@ __global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint3
     }
     const uint32_t tid = threadIdx.x - 128, wg = tid / 128;
     constexpr uint32_t kConsumers = 128 * consumer_wgs(kMode);
-    if constexpr (is_quad(kMode)) {
+    if constexpr (is_rs_kernel(kMode)) {
+        if constexpr (is_quad(kMode))
+            ptx::setmaxnreg_inc<kQuadConsumerRegisters>();
+        else
+            ptx::setmaxnreg_inc<kConsumerRegisters>();
+        rs_kernel_loop<kMode>(s, tid, wg, num_kb, kConsumers, out);
+    } else if constexpr (is_quad(kMode)) {
         ptx::setmaxnreg_inc<kQuadConsumerRegisters>();
         for (uint32_t kb = 0; kb < 2; ++kb)
             megamoe::fp4_expand_part<4>(s.raw[kb % kStages], s.table, s.b[kb & 1], wg, false, tid);
@@ -714,6 +818,8 @@ int main(int argc, char** argv) {
             case kRs64Packed: run<kRs64Packed>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRs16Stage: run<kRs16Stage>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRs64Stage: run<kRs64Stage>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kRsKernel: run<kRsKernel>(kModeNames[m], num_kb, subnormal, num_sms); break;
+            case kRsQuad: run<kRsQuad>(kModeNames[m], num_kb, subnormal, num_sms); break;
             default:
                 fprintf(stderr, "fp4_expand: unknown mode %s\n", name.c_str());
                 return 2;
