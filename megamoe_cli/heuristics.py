@@ -56,39 +56,45 @@ def _block_m(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BLOCK_
     return supported[-1]
 
 
-# MXFP4: block_m 128 from this many expected rows per expert on, the smallest block below.
-FP4_LARGE_BLOCK_FROM_ROWS = 0.05
+# MXFP4: the smallest block while an expert's expected rows are at most this many, block_m 128
+# above.
+FP4_SMALL_BLOCK_UNTIL_ROWS = 8.0
+# MXFP4's smallest block runs this many stages where they fit.
+FP4_SMALL_BLOCK_STAGES = 5
 
 
 def _block_m_fp4(expected_rows: float, supported: Tuple[int, ...] = SUPPORTED_BLOCK_M) -> int:
-    """MXFP4's block_m: the largest block from one expected row per twenty experts on, else the
-    smallest.
-
-    Regimes: an MXFP4 tile pays the expansion once per stored stage, and a wide block_m 128 tile
-    shares it between twice the rows; its narrow blocks (at most 64 valid rows) run as block_m
-    64's do, yet measured faster too down to 0.06 rows per expert (docs/PERF_NOTES.md entry 86),
-    and slower only at 0.03 (one token per rank, DeepSeek-V3, one GPU).
+    """MXFP4's block_m: the smallest block up to FP4_SMALL_BLOCK_UNTIL_ROWS expected rows per
+    expert, the largest MXFP4 builds above.
+    Regimes: decode blocks of at most 16 valid rows run with the weights as register operands
+    (one 16-token group per stage whatever the block), so the smaller block only saves A's load
+    and runs a stage deeper (FP4_SMALL_BLOCK_STAGES); once blocks fill past a token group, a wide
+    block_m 128 tile shares each expanded stage between twice the rows.  One H200, DeepSeek-V3,
+    world size 1, block_m 64 with 5 stages against 128 with 4, kernel medians of two passes
+    (docs/PERF_NOTES.md entry 112): 0 to -14% from 0.03 to 8 rows per expert (1-256 tokens), +1
+    to +3% at 16 and 32 rows, +6 to +11% at 64.
     """
     built = [b for b in supported if (b, 1) in FP4_CONFIGS]  # the block_m values MXFP4 builds
     if not built:
         raise MegaMoEError(f"MXFP4 weights run with block_m in {[b for b, _ in FP4_CONFIGS]}, none of "
                            f"{list(supported)} allowed here")
-    return built[0] if expected_rows < FP4_LARGE_BLOCK_FROM_ROWS else built[-1]
+    return built[0] if expected_rows <= FP4_SMALL_BLOCK_UNTIL_ROWS else built[-1]
 
 
-# Deeper than this measured no faster (one H200, DeepSeek-V3, 64 tokens: 5 stages of block_m 64
-# 2436 us vs 4 stages 2443 us); 5 stays a candidate for `megamoe tune`.
+# Deeper than this measured no faster for FP8 weights (one H200, DeepSeek-V3, 64 tokens: 5 stages
+# of block_m 64 2436 us vs 4 stages 2443 us); 5 stays a candidate for `megamoe tune`.  (MXFP4's
+# block_m 64: FP4_SMALL_BLOCK_STAGES.)
 MAX_DEFAULT_STAGES = 4
 
 
-def _num_stages(shape: MoEShape, world_size: int, block_m: int) -> int:
-    """The deepest pipeline (up to MAX_DEFAULT_STAGES) whose stages fit shared memory: deeper
+def _num_stages(shape: MoEShape, world_size: int, block_m: int, max_stages: int = MAX_DEFAULT_STAGES) -> int:
+    """The deepest pipeline (up to ``max_stages``) whose stages fit shared memory: deeper
     hides more load latency.
 
     Regimes: block_m 64 stages are 40 KiB, block_m 128 stages 48 KiB; both epilogues store from
     registers, so 4 fit for every preset shape.
     """
-    for stages in sorted((s for s in SUPPORTED_STAGES if s <= MAX_DEFAULT_STAGES), reverse=True):
+    for stages in sorted((s for s in SUPPORTED_STAGES if s <= max_stages), reverse=True):
         if smem_bytes(Variant(shape, world_size, 1, block_m, stages)) <= MAX_SMEM_BYTES:
             return stages
     return min(SUPPORTED_STAGES)
@@ -109,7 +115,9 @@ def default_config(shape: MoEShape, world_size: int, num_tokens_per_rank: int, g
         config["cluster_m"] = 1
     else:
         config["block_m"] = _block_m(expected_rows, supported)
-    config["num_stages"] = _num_stages(shape, world_size, config["block_m"])
+    deeper = shape.weights == "fp4" and config["block_m"] == SUPPORTED_BLOCK_M[0]
+    config["num_stages"] = _num_stages(shape, world_size, config["block_m"],
+                                       FP4_SMALL_BLOCK_STAGES if deeper else MAX_DEFAULT_STAGES)
     return config
 
 

@@ -202,13 +202,15 @@ def test_block_m_rule_picks_smallest_block_holding_expected_rows(monkeypatch):
     assert heuristics.default_config(DSV3, 8, 8192, "H200")["block_m"] == 256
 
 
-def test_mxfp4_takes_block_m_128_from_a_row_per_twenty_experts_on():
+def test_mxfp4_takes_block_m_64_with_five_stages_up_to_eight_rows_per_expert():
     fp4 = dataclasses.replace(DSV3, weights="fp4")
-    # 1 rank: 1 token -> 8/256 = 0.03 rows per expert; 2 -> 0.06; 32 -> 1; 8192 -> 256
-    picks = {t: heuristics.default_config(fp4, 1, t, "H200") for t in (1, 2, 32, 128, 8192)}
-    assert {t: c["block_m"] for t, c in picks.items()} == {1: 64, 2: 128, 32: 128, 128: 128, 8192: 128}
+    # 1 rank: 1 token -> 8/256 = 0.03 rows per expert; 32 -> 1; 256 -> 8; 512 -> 16; 8192 -> 256
+    picks = {t: heuristics.default_config(fp4, 1, t, "H200") for t in (1, 32, 256, 512, 8192)}
+    assert {t: (c["block_m"], c["num_stages"]) for t, c in picks.items()} == {
+        1: (64, 5), 32: (64, 5), 256: (64, 5), 512: (128, 4), 8192: (128, 4)}
     assert all(c["cluster_m"] == 1 for c in picks.values())
-    assert heuristics.default_config(fp4, 2, 1, "H200")["block_m"] == 128  # 2 ranks x 1 token: 0.06 rows
+    assert heuristics.default_config(fp4, 2, 128, "H200")["block_m"] == 64  # 2 ranks x 128 tokens: 8 rows
+    assert heuristics.default_config(fp4, 2, 256, "H200")["block_m"] == 128  # 16 rows
     assert heuristics.default_config(fp4, 1, 8192, "H200", max_block_m=64)["block_m"] == 64
     # a block_m MXFP4 does not build (a future 256) is never chosen for it
     assert heuristics._block_m_fp4(256.0, (64, 128, 256)) == 128

@@ -63,7 +63,7 @@ def test_fp4_block_m_128(group, shape_name, num_tokens, num_stages):
         assert torch.equal(runner.y, y), "a rerun changed the result"
 
 
-# block_m 64 (the MXFP4 heuristic picks 128 from 2 tokens on): calls of at most 96 pairs per rank
+# block_m 64 (the MXFP4 heuristic's choice up to 8 expected rows per expert): calls of at most 96 pairs per rank
 # run on the direct pool, whose blocks take the register-operand path at world size 1 (their valid
 # rows are the first ones there) and at 2 ranks while each source holds at most 8 rows (source 1's
 # rows start at 32: its first 8 are the tile's tokens 8-15), the stored tile otherwise; 300 tokens
