@@ -20,16 +20,29 @@ _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
     "torch-bf16": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16"}),
     "fused": ("megamoe_cli.fused", "FusedBackend", {}),
     "fused-graph": ("megamoe_cli.fused", "FusedBackend", {"graph": True}),
+    # Peers (megamoe_cli.peers): what users run instead, each an optional extra.
+    "deepgemm": ("megamoe_cli.peers.deepgemm", "DeepGEMMBackend", {}),
+    "deepgemm-graph": ("megamoe_cli.peers.deepgemm", "DeepGEMMBackend", {"graph": True}),
+    "deepgemm-fused": ("megamoe_cli.peers.deepgemm_fused", "DeepGEMMFusedBackend", {}),
+    "deepgemm-fused-graph": ("megamoe_cli.peers.deepgemm_fused", "DeepGEMMFusedBackend", {"graph": True}),
+    "sglang": ("megamoe_cli.peers.sglang", "SGLangBackend", {}),
+    "sglang-graph": ("megamoe_cli.peers.sglang", "SGLangBackend", {"graph": True}),
 }
 
 BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)
 
 # Backends whose code is sm_90a (the fused kernel): they run on Hopper GPUs only.
-HOPPER_ONLY = frozenset({"fused", "fused-graph"})
+HOPPER_ONLY = frozenset({"fused", "fused-graph", "deepgemm", "deepgemm-graph", "deepgemm-fused",
+                         "deepgemm-fused-graph"})
 
-# The unfused layers a user could run instead of the fused one: a speed-up is taken against the
-# fastest of them measured at the same point (bench.compare).
-BASELINE_BACKENDS: Tuple[str, ...] = ("torch", "torch-graph", "torch-bf16w", "torch-bf16")
+# Peers: backends that run another project's package (megamoe_cli.peers), refused up front where
+# it is not installed.
+PEER_BACKENDS: Tuple[str, ...] = ("deepgemm", "deepgemm-graph", "deepgemm-fused", "deepgemm-fused-graph",
+                                  "sglang", "sglang-graph")
+
+# The layers a user could run instead of megamoe's fused one, our unfused pipelines and the peers:
+# a speed-up is taken against the fastest of them measured at the same point (bench.compare).
+BASELINE_BACKENDS: Tuple[str, ...] = ("torch", "torch-graph", "torch-bf16w", "torch-bf16") + PEER_BACKENDS
 
 
 def get_backend(name: str) -> Any:

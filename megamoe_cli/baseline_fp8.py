@@ -186,7 +186,7 @@ class _Runner:
         self.gemm = gemm
         self.graph = graph
         self.num_warps, self.stages = num_warps, stages
-        L = self.layout = _Layout(problem, block_m)
+        L = self.layout = self._make_layout(problem, block_m)
         dev = problem.device
         self.kernels = _triton_kernels()[0] if (gemm != "dequant") else None
         self.staged = group is not None and dev.type == "cuda" and _backend(group) == "gloo"
@@ -232,6 +232,13 @@ class _Runner:
             self.w1_rw, self.w1_rs = _requantize_rowwise(problem.w1, problem.w1_sf)
             self.w2_rw, self.w2_rs = _requantize_rowwise(problem.w2, problem.w2_sf)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+
+    def _make_layout(self, problem: Problem, block_m: int) -> _Layout:
+        return _Layout(problem, block_m)
+
+    def _segment_rows(self, per_expert: torch.Tensor) -> torch.Tensor:
+        """Pool rows each local expert's segment takes: its rows rounded up to ``block_m``."""
+        return (per_expert + self.layout.block_m - 1) // self.layout.block_m * self.layout.block_m
 
     # -- one call ------------------------------------------------------------
 
@@ -309,11 +316,12 @@ class _Runner:
         expert = expert.clamp(max=L.E_local - 1)
         within = self.row_in_src - (src_end - counts).gather(1, expert)
         per_expert = counts.sum(0)
-        padded = (per_expert + L.block_m - 1) // L.block_m * L.block_m
+        padded = self._segment_rows(per_expert)
         seg_end = padded.cumsum(0)
         before_src = (counts.cumsum(0) - counts).gather(1, expert)           # same expert, earlier sources
         pool_pos = (seg_end - padded)[expert] + before_src + within
         pool_pos = torch.where(valid, pool_pos, L.pool)
+        self.pool_pos = pool_pos                                             # [R, capacity]
         self.pool_src.fill_(L.rows)
         self.pool_src.scatter_(0, pool_pos.reshape(-1), self.src_row.reshape(-1))
         block = torch.searchsorted(seg_end, self.block_starts, right=True)

@@ -27,6 +27,7 @@ into the exponent.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -181,8 +182,12 @@ def _swiglu_quant_kernel(
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
     CLAMP: tl.constexpr = 0.0,  # the SwiGLU clamp (0: none)
+    rows_ptr=None,              # int64 row of each program (None: program i does row i)
 ):
-    row = tl.program_id(0).to(tl.int64)
+    if rows_ptr is None:
+        row = tl.program_id(0).to(tl.int64)
+    else:
+        row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < N
     gate = tl.load(h_ptr + row * stride_hm + offs, mask=valid, other=0.0).to(tl.float32)
@@ -193,6 +198,27 @@ def _swiglu_quant_kernel(
         up = tl.minimum(tl.maximum(up, -CLAMP), CLAMP)
     act = gate / (1.0 + tl.exp(-gate)) * up * w
     q, sf = _quantize_rows(tl.reshape(act, (BLOCK // GROUP, GROUP)), FLOOR, QMAX)
+    tl.store(q_ptr + row * stride_qm + offs, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=valid)
+    blocks = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+    tl.store(sf_ptr + row * stride_sm + blocks, sf, mask=blocks * GROUP < N)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, stride_xm,           # [rows, N], FP32 or BF16
+    q_ptr, stride_qm,           # FP8 [rows, N]
+    sf_ptr, stride_sm,          # FP32 [rows, N / GROUP]
+    N,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    v = tl.load(x_ptr + row * stride_xm + offs, mask=valid, other=0.0).to(tl.float32)
+    q, sf = _quantize_rows(tl.reshape(v, (BLOCK // GROUP, GROUP)), FLOOR, QMAX)
     tl.store(q_ptr + row * stride_qm + offs, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=valid)
     blocks = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
     tl.store(sf_ptr + row * stride_sm + blocks, sf, mask=blocks * GROUP < N)
@@ -262,20 +288,35 @@ def grouped_gemm(
 
 
 def swiglu_quant(h: torch.Tensor, weight: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, group: int,
-                 activation_clamp: float = 0.0) -> None:
+                 activation_clamp: float = 0.0, rows: Optional[torch.Tensor] = None) -> None:
     """``q, sf = quantize(silu(h[:, :N]) * h[:, N:] * weight[:, None])`` with one scale per ``group``
-    channels of a row (128: the recipe; N: one per row)."""
-    rows, n = q.shape
-    if rows == 0:
+    channels of a row (128: the recipe; N: one per row).  ``rows`` (int64): only these rows, so a
+    pool of mostly padding rows costs only its filled ones."""
+    n = q.shape[1]
+    rows_count = q.shape[0] if rows is None else rows.numel()
+    if rows_count == 0:
         return
     if group == n:
         block = triton.next_power_of_2(n)
         group_c = block
     else:
         block, group_c = 4 * group, group
-    _swiglu_quant_kernel[(rows, triton.cdiv(n, block))](
+    _swiglu_quant_kernel[(rows_count, triton.cdiv(n, block))](
         h, h.stride(0), weight, q, q.stride(0), sf, sf.stride(0), n,
-        GROUP=group_c, BLOCK=block, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, CLAMP=float(activation_clamp), num_warps=4,
+        GROUP=group_c, BLOCK=block, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, CLAMP=float(activation_clamp),
+        rows_ptr=rows, num_warps=4,
+    )
+
+
+def quantize(x: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, group: int = BLOCK) -> None:
+    """``q, sf = quantize(x)`` per row per ``group`` channels, the recipe's rounding (``quant``)."""
+    rows, n = q.shape
+    if rows == 0:
+        return
+    block = 4 * group
+    _quantize_kernel[(rows, triton.cdiv(n, block))](
+        x, x.stride(0), q, q.stride(0), sf, sf.stride(0), n,
+        GROUP=group, BLOCK=block, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, num_warps=4,
     )
 
 

@@ -168,7 +168,12 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
     ranks would otherwise start, build and fail at every such point).  The fused kernel is
     sm_90a code: it runs on Hopper GPUs only."""
     from ..backends import HOPPER_ONLY
+    from ..peers import unavailable
 
+    for name in sorted({p.backend for p in points}):
+        missing = unavailable(name)
+        if missing:
+            raise MegaMoEError(missing)
     names = sorted({p.backend for p in points} & HOPPER_ONLY)
     if not names:
         return
