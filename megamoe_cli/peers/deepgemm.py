@@ -5,8 +5,9 @@ The route, dispatch, pool and combine are the ``torch`` baseline's (``baseline_f
 pipelines differ only in their expert GEMMs:
 
 * ``layout: contiguous`` (prefill): every expert's rows padded to DeepGEMM's M alignment in one
-  pool, ``m_grouped_fp8_gemm_nt_contiguous`` with the expert of every pool row (``-1``: unused
-  block, which DeepGEMM skips);
+  pool, ``m_grouped_fp8_gemm_nt_contiguous`` with the expert of every pool row.  The eager call
+  reads the filled rows' count on the host and multiplies only those, as engines do at prefill;
+  the captured one cannot, and multiplies the whole worst-case pool (``-1`` rows included);
 * ``layout: masked`` (decode): a fixed segment of ``max_m`` rows per local expert,
   ``m_grouped_fp8_gemm_nt_masked`` with the rows each expert received and the expected count.
 
@@ -60,6 +61,11 @@ class _DeepGEMMRunner(_Runner):
     def __init__(self, problem: Problem, group, dg, layout: str, graph: bool):
         self.dg = dg
         self.masked = layout == "masked"
+        # The FP8 masked grouped GEMM's name differs between DeepGEMM versions.
+        self.masked_gemm = getattr(dg, "m_grouped_fp8_gemm_nt_masked", None) or getattr(
+            dg, "m_grouped_fp8_fp4_gemm_nt_masked", None)
+        if self.masked and self.masked_gemm is None:
+            raise MegaMoEError(f"{version_of(DEEPGEMM)} has no FP8 masked grouped GEMM; use layout: contiguous")
         align = int(dg.get_mk_alignment_for_contiguous_layout())
         s = problem.shape
         if self.masked:
@@ -99,26 +105,28 @@ class _DeepGEMMRunner(_Runner):
         self.x_pool.view(torch.uint8).index_copy_(0, pos, x[src, : L.H].view(torch.uint8))
         self.xs_pool.index_copy_(0, pos, x_sf[src])
         self.w_pool.index_copy_(0, pos, weight[src])
-        pool = slice(0, L.pool)
+        # Eager prefill sizes the GEMMs to the filled segments, as engines do (one read of the
+        # counts on the host); a captured call cannot read them and runs the whole pool.
+        pool = slice(0, L.pool if (self.masked or self.graph) else int(seg_end[-1].item()))
         if self.masked:
             E, m = L.E_local, L.block_m
             masked_m = counts.sum(0).to(torch.int32)
-            dg.m_grouped_fp8_gemm_nt_masked(
+            self.masked_gemm(
                 (self.x_pool[pool].view(E, m, L.H), self.xs_pool[pool].view(E, m, L.H // BLOCK)),
                 (p.w1, p.w1_sf), self.h.view(E, m, 2 * L.I), masked_m, self.expected_m)
         else:
             self.m_indices.view(-1, L.block_m).copy_(block_expert.unsqueeze(1).expand(-1, L.block_m))
             dg.m_grouped_fp8_gemm_nt_contiguous((self.x_pool[pool], self.xs_pool[pool]), (p.w1, p.w1_sf),
-                                                self.h, self.m_indices)
+                                                self.h[pool], self.m_indices[pool])
         self.kernels.swiglu_quant(self.h, self.w_pool, self.act, self.act_sf, group=BLOCK,
                                   activation_clamp=self.clamp, rows=pos.clamp(max=L.pool - 1))
         if self.masked:
-            dg.m_grouped_fp8_gemm_nt_masked(
+            self.masked_gemm(
                 (self.act.view(E, m, L.I), self.act_sf.view(E, m, L.I // BLOCK)), (p.w2, p.w2_sf),
                 self.out[pool].view(E, m, L.H), masked_m, self.expected_m)
         else:
-            dg.m_grouped_fp8_gemm_nt_contiguous((self.act, self.act_sf), (p.w2, p.w2_sf), self.out[pool],
-                                                self.m_indices)
+            dg.m_grouped_fp8_gemm_nt_contiguous((self.act[pool], self.act_sf[pool]), (p.w2, p.w2_sf),
+                                                self.out[pool], self.m_indices[pool])
         self.cout.index_copy_(0, src, self.out[pos])
 
 

@@ -212,6 +212,22 @@ class _SGLangRunner:
 
         self.combine = baseline_triton.combine
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self.config["align_us"] = round(self._time_align(), 1)
+
+    def _time_align(self, calls: int = 20) -> float:
+        """Microseconds one align call takes (median of ``calls``), recorded so a row shows what the
+        replacement of SGLang's CUDA align costs inside its time."""
+        bm = self.launch["BLOCK_SIZE_M"]
+        times = []
+        for _ in range(calls + 3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            align_block_size(self.topk_ids, self.E, bm, self.sorted_ids, self.expert_ids, self.num_post)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        times = sorted(times[3:])
+        return times[len(times) // 2]
 
     def _gemm(self, a, w, w_sf, out, mul_routed_weight: bool, top_k: int) -> None:
         self.k.invoke_fused_moe_kernel(
