@@ -215,14 +215,26 @@ class _SGLangRunner:
         self.config["align_us"] = round(self._time_align(), 1)
 
     def _time_align(self, calls: int = 20) -> float:
-        """Microseconds one align call takes (median of ``calls``), recorded so a row shows what the
-        replacement of SGLang's CUDA align costs inside its time."""
+        """Microseconds one align call takes replayed from a CUDA graph (median of ``calls``), as
+        it runs inside the captured layer: a row shows what replacing SGLang's CUDA align costs."""
         bm = self.launch["BLOCK_SIZE_M"]
+
+        def align():
+            align_block_size(self.topk_ids, self.E, bm, self.sorted_ids, self.expert_ids, self.num_post)
+
+        align()
+        torch.cuda.synchronize(self.problem.device)
+        stream = torch.cuda.Stream(self.problem.device)
+        stream.wait_stream(torch.cuda.current_stream(self.problem.device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            align()
+        torch.cuda.current_stream(self.problem.device).wait_stream(stream)
         times = []
         for _ in range(calls + 3):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            align_block_size(self.topk_ids, self.E, bm, self.sorted_ids, self.expert_ids, self.num_post)
+            graph.replay()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
