@@ -293,8 +293,9 @@ PEER_EP8 = [
     (MoEShape(hidden=7168, intermediate=3072, num_experts=384, num_topk=6), 8, 637.0),
     (MoEShape(hidden=7168, intermediate=3072, num_experts=384, num_topk=6), 8192, 7940.0),
 ]
-# DeepGEMM's standalone SM90 FP8 grouped GEMM on one H200 with 256-512 rows per expert (SPEC §8).
-PEER_GEMM_TFLOPS = 1290.0
+# The peer's GEMM rate: DeepGEMM's SM90 FP8 grouped GEMMs alone on one H200, DeepSeek-V3 at 8192
+# tokens (SPEC §8, measured here: 933 TFLOPS of useful work).
+PEER_GEMM_TFLOPS = 933.0
 
 
 def test_agreement_with_the_published_ep8_peer(fitted):
@@ -302,13 +303,13 @@ def test_agreement_with_the_published_ep8_peer(fitted):
     peer = dataclasses.replace(rates["fp8"], flops_per_s=PEER_GEMM_TFLOPS * 1e12)
     for shape, tokens, measured in PEER_EP8:
         p = pm.predict(shape, pm.Topology(8), tokens, peer, pm.Links())
+        fused, unfused = p.fused_s * 1e6, p.unfused_s * 1e6
         if tokens == 8:
-            # Decode: the weight stream; the model lands within 6%.
-            assert abs(p.fused_s * 1e6 / measured - 1) < 0.06
+            # Decode: the weight stream sets both; within 6% (+3%, -6%).
+            assert abs(fused / measured - 1) < 0.06
         else:
-            # Prefill: the peer is slower than even the serial pipeline at its GEMM's rate (12-16%),
-            # and between the model's fused and unfused times at the rate measured here.
-            assert measured > p.unfused_s * 1e6 > p.fused_s * 1e6
-            assert 0.10 < measured / (p.unfused_s * 1e6) - 1 < 0.20
-            ours = pm.predict(shape, pm.Topology(8), tokens, rates["fp8"], pm.Links())
-            assert ours.fused_s * 1e6 < measured < ours.unfused_s * 1e6
+            # Prefill: the peer's two kernels land between the model's overlapped and serial
+            # times, 11-16% above the first and 8-11% below the second.
+            assert fused < measured < unfused
+            assert 0.10 < 1 - fused / measured < 0.17
+            assert 0.07 < unfused / measured - 1 < 0.12

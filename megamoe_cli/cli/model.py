@@ -128,7 +128,7 @@ def model(preset, hidden, intermediate, num_experts, num_topk, weights, activati
         from ..bench.results import row_to_json
 
         sys.stdout.write("[\n" + ",\n".join(row_to_json(row) for row in rows) + "\n]\n")
-    _print_rows(console, rows, shape, rates, links)
+    _print_rows(console, rows, _preset_name(preset, shape), shape, rates, links)
 
 
 def _load(perfmodel, flag, path):
@@ -166,7 +166,7 @@ def _preset_name(preset, shape) -> str:
     return name if PRESETS[name] == shape else ""
 
 
-def _print_rows(console, rows, shape, rates, links) -> None:
+def _print_rows(console, rows, name, shape, rates, links) -> None:
     import pandas as pd
 
     from ..bench.compare import summary
@@ -187,7 +187,8 @@ def _print_rows(console, rows, shape, rates, links) -> None:
                     [f"{v:,.1f}" for v in frame[col]])
     view["speedup_vs_baseline"] = [unfused[(r["world_size"], r["num_tokens"])] / r["time_us_median"] for r in rows]
     view["baseline"] = MODEL_UNFUSED
-    title = (f"model: {_preset_name(None, shape) or shape.hidden}, {shape.weights} weights, "
+    name = name or f"{shape.hidden}/{shape.intermediate}/{shape.num_experts}/top-{shape.num_topk}"
+    title = (f"model: {name}, {shape.weights} weights, "
              f"{rates.flops_per_s / 1e12:.0f} TFLOPS and {rates.weight_bytes_per_s / 1e9:.0f} GB/s per GPU + "
              f"{rates.fixed_s * 1e6:.1f} us per call, NVLink {links.nvlink_bytes_per_s / 1e9:g} GB/s, "
              f"RDMA {links.rdma_bytes_per_s / 1e9:g} GB/s")
