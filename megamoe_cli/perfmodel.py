@@ -8,7 +8,10 @@ nodes of ``G`` GPUs (``N = R / G`` nodes; one node of ``R`` GPUs when ``R <= G``
 
 Routing (a token picks k distinct experts uniformly; experts are spread in rank order):
 
-- ``p(u) = 1 - C(E - u, k) / C(E, k)``: a token touches at least one of ``u`` given experts.
+- ``p(u) = 1 - C(E - u, k) / C(E, k)``: a token touches at least one of ``u`` given experts of
+  one node.  With node-limited routing (at most M of the N nodes per token, chosen uniformly,
+  the k experts uniform among theirs) ``p(u) = M/N * (1 - C(M*E/N - u, k) / C(M*E/N, k))``;
+  every expert is still chosen with ``k/E``, so the terms below change only through ``p``.
 - an expert is touched by at least one of the ``R*T`` tokens with ``q = 1 - (1 - k/E)**(R*T)``;
   the busiest rank reads the weights of ``E[max over R ranks of Binomial(E/R, q)]`` experts.
 - the busiest rank receives ``E[max over R ranks]`` of pairs with mean ``T*k`` and variance
@@ -87,12 +90,19 @@ MODEL_UNFUSED = "unfused (model)"
 # Routing expectations
 
 
-def touch_probability(shape: MoEShape, num_group_experts: int) -> float:
-    """``p(u)``: a token's k distinct uniform experts include at least one of ``u`` given ones."""
+def touch_probability(shape: MoEShape, num_group_experts: int, topo: Optional["Topology"] = None) -> float:
+    """``p(u)``: a token's k experts include at least one of ``u`` given ones, the ``u`` inside one
+    node.  Uniform: ``1 - C(E-u, k)/C(E, k)``.  Node-limited (``topo.nodes_per_token`` = M of N
+    nodes, chosen uniformly, then k experts among their ``M*E_node``): the node is chosen with
+    ``M/N``, then ``1 - C(M*E_node - u, k)/C(M*E_node, k)``."""
     e, k, u = shape.num_experts, shape.num_topk, num_group_experts
-    if u >= e:
-        return 1.0
-    return 1.0 - math.comb(e - u, k) / math.comb(e, k)
+    chosen, pool = 1.0, e
+    if topo is not None and topo.nodes_per_token < topo.num_nodes:
+        chosen = topo.nodes_per_token / topo.num_nodes
+        pool = topo.nodes_per_token * (e // topo.num_nodes)
+    if u >= pool:
+        return chosen
+    return chosen * (1.0 - math.comb(pool - u, k) / math.comb(pool, k))
 
 
 def expert_touch_probability(shape: MoEShape, num_tokens_total: int) -> float:
@@ -127,14 +137,19 @@ def token_bytes(shape: MoEShape) -> int:
 
 @dataclass(frozen=True)
 class Topology:
-    """``num_ranks`` GPUs in nodes of ``gpus_per_node``; fewer ranks than that are one node."""
+    """``num_ranks`` GPUs in nodes of ``gpus_per_node``; fewer ranks than that are one node.
+    ``max_nodes_per_token``: node-limited routing (DeepSeek-V3 sends each token to at most 4
+    nodes); None: every expert may be chosen."""
 
     num_ranks: int
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    max_nodes_per_token: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("num_ranks", "gpus_per_node"):
+        for name in ("num_ranks", "gpus_per_node", "max_nodes_per_token"):
             value = getattr(self, name)
+            if value is None and name == "max_nodes_per_token":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MegaMoEError(f"{name} must be a positive integer, got {value!r}")
         if self.num_ranks > self.gpus_per_node and self.num_ranks % self.gpus_per_node:
@@ -148,6 +163,12 @@ class Topology:
     @property
     def num_nodes(self) -> int:
         return self.num_ranks // self.gpus_in_node
+
+    @property
+    def nodes_per_token(self) -> int:
+        """The nodes a token's experts may lie in."""
+        limit = self.max_nodes_per_token
+        return self.num_nodes if limit is None else min(limit, self.num_nodes)
 
 
 @dataclass(frozen=True)
@@ -174,14 +195,17 @@ def layer_traffic(shape: MoEShape, topo: Topology, num_tokens: int) -> ModelTraf
     if e % r:
         raise MegaMoEError(f"num_experts={e} must be divisible by the ranks, got {r} ranks")
     e_local = e // r
+    if k > topo.nodes_per_token * e_local * g:
+        raise MegaMoEError(f"top-{k} does not fit in {topo.nodes_per_token} node(s) of {e_local * g} experts "
+                           f"(max_nodes_per_token={topo.max_nodes_per_token})")
     pairs = t * k
     recv_max = expected_max_normal(pairs, pairs * (1.0 - 1.0 / r), r)
     q = expert_touch_probability(shape, r * t)
     touched_max = expected_max_binomial(e_local, q, r)
     per_expert = expert_weight_bytes(shape)
     pull, push, token = pulled_bytes_per_pair(shape), pushed_bytes_per_pair(shape), token_bytes(shape)
-    p_rank = touch_probability(shape, e_local)
-    p_node = touch_probability(shape, e_local * g)
+    p_rank = touch_probability(shape, e_local, topo)
+    p_node = touch_probability(shape, e_local * g, topo)
     unfused_nvlink_rows = t * n * (g - 1) * p_rank
     unfused_rdma_rows = t * (n - 1) * p_node
     return ModelTraffic(
@@ -400,7 +424,9 @@ def prediction_rows(pred: Prediction, rates: Rates, links: Links, preset: str = 
             "num_topk": shape.num_topk, "weights": shape.weights, "activation_clamp": shape.activation_clamp,
             "num_tokens": pred.num_tokens, "num_tokens_min": pred.num_tokens, "num_tokens_max": pred.num_tokens,
             "num_max_tokens_per_rank": pred.num_tokens, "world_size": topo.num_ranks, "backend": backend,
-            "config": "{}", "routing": "uniform", "device": "model", "status": "ok", "error": "",
+            "config": "{}", "device": "model", "status": "ok", "error": "",
+            "routing": ("uniform" if topo.nodes_per_token == topo.num_nodes
+                        else f"uniform within {topo.nodes_per_token} of {topo.num_nodes} nodes"),
             "time_us_median": seconds * 1e6, "time_us_min": nan, "time_us_max": nan,
             "num_pairs": pred.num_tokens * shape.num_topk * topo.num_ranks,
             "recv_pairs_max": round(traffic.recv_pairs_max),

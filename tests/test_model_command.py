@@ -62,6 +62,16 @@ def test_flags_replace_the_fitted_rates_and_the_links():
     assert json.loads(json.loads(given.stdout)[0]["rates"])["source"] == "given"
 
 
+def test_max_nodes_cuts_the_rdma_term_only():
+    args = ("model", "--ranks", "64", "--tokens", "8192", "--json")
+    uniform = json.loads(run_cli(*args).stdout)[0]
+    limited = json.loads(run_cli(*args, "--max-nodes", "4").stdout)[0]
+    assert limited["rdma_us"] < uniform["rdma_us"]
+    assert (limited["compute_us"], limited["weights_us"], limited["nvlink_us"]) == (
+        uniform["compute_us"], uniform["weights_us"], uniform["nvlink_us"])
+    assert limited["routing"] == "uniform within 4 of 8 nodes" and uniform["routing"] == "uniform"
+
+
 def test_weights_pick_the_record_rows_of_their_format():
     fp8 = json.loads(run_cli("model", "--ranks", "8", "--tokens", "8", "--weights", "fp8", "--json").stdout)[0]
     fp4 = json.loads(run_cli("model", "--ranks", "8", "--tokens", "8", "--weights", "fp4", "--json").stdout)[0]
@@ -88,10 +98,13 @@ def test_against_a_record_states_each_error():
     (("--nvlink-gbps", "0"), ("--nvlink-gbps",)),
     (("--rdma-gbps", "-5"), ("--rdma-gbps",)),
     (("--gpus-per-node", "0"), ("--gpus-per-node",)),
+    (("--max-nodes", "0"), ("--max-nodes",)),
+    (("--ranks", "8", "--gpus-per-node", "1", "--experts", "16", "--max-nodes", "1"), ("--max-nodes 1", "top-8")),
     (("--weights", "fp8,fp4"), ("--weights", "one format")),
     (("--record", "/nonexistent/r.csv"), ("--record", "not found")),
     (("--record", str(RECORD_EP2)), ("--record", "world-size-1")),
     (("--against", str(RECORD_EP2), "--ranks", "4"), ("--against", "--ranks")),
+    (("--against", str(RECORD_EP2), "--max-nodes", "4"), ("--against", "--max-nodes")),
 ])
 def test_bad_input_is_one_line_naming_the_flag(args, fragments):
     assert_one_line_error(run_cli("model", *args), *fragments)

@@ -102,6 +102,29 @@ def test_layer_traffic_two_nodes_by_hand():
     assert tr.unfused_combine_rdma_bytes == pytest.approx(t * p_node * push)
 
 
+def test_node_limited_routing_by_hand():
+    pull, push, token, _ = _small_bytes()
+    shape = dataclasses.replace(SMALL, num_experts=16)
+    t = 3
+    topo = pm.Topology(8, 2, max_nodes_per_token=2)  # 4 nodes of 2 GPUs, 2 experts per rank, 4 per node
+    tr = pm.layer_traffic(shape, topo, t)
+    # A token picks 2 of the 4 nodes (a given node: 2/4), then top-2 among their 8 experts.
+    p_node = 2 / 4 * (1 - math.comb(8 - 4, 2) / math.comb(8, 2))
+    p_rank = 2 / 4 * (1 - math.comb(8 - 2, 2) / math.comb(8, 2))
+    assert tr.fused_rdma_bytes == pytest.approx(t * 3 * p_node * (token + push))
+    assert tr.unfused_dispatch_nvlink_bytes == pytest.approx(t * 4 * 1 * p_rank * token)
+    assert tr.unfused_dispatch_rdma_bytes == pytest.approx(t * 3 * p_node * token)
+    # Every expert is still chosen with k/E: the weights and the pairs do not change.
+    uniform = pm.layer_traffic(shape, pm.Topology(8, 2), t)
+    assert tr.weight_bytes_max == uniform.weight_bytes_max and tr.flops_max == uniform.flops_max
+    assert tr.fused_nvlink_bytes == uniform.fused_nvlink_bytes
+    # A limit of every node, or more, is uniform routing.
+    assert pm.layer_traffic(shape, pm.Topology(8, 2, max_nodes_per_token=4), t) == uniform
+    assert pm.layer_traffic(shape, pm.Topology(8, 2, max_nodes_per_token=9), t) == uniform
+    with pytest.raises(MegaMoEError, match="does not fit"):
+        pm.layer_traffic(dataclasses.replace(shape, num_topk=5), pm.Topology(8, 2, max_nodes_per_token=1), t)
+
+
 def test_topology():
     assert (pm.Topology(2, 8).num_nodes, pm.Topology(2, 8).gpus_in_node) == (1, 2)
     assert (pm.Topology(64, 8).num_nodes, pm.Topology(64, 8).gpus_in_node) == (8, 8)

@@ -40,6 +40,9 @@ _LATENCY = click.FloatRange(min=0)
               help="Expert-parallel sizes (GPUs), comma-separated; more than --gpus-per-node spans nodes.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
               help="GPUs per NVLink domain; ranks beyond it talk over RDMA.")
+@click.option("--max-nodes", "max_nodes", type=click.IntRange(min=1),
+              help="Node-limited routing: a token's experts lie in at most this many nodes, chosen uniformly "
+                   "(DeepSeek-V3 routes to 4); default: any expert.")
 @click.option("--tokens", "num_tokens", type=IntList(), default=",".join(map(str, DEFAULT_TOKENS)),
               show_default=True, callback=_positive_list("--tokens"), help="Tokens per rank, comma-separated.")
 @click.option("--record", "record_path", type=click.Path(dir_okay=False), default=str(DEFAULT_RECORD),
@@ -61,7 +64,7 @@ _LATENCY = click.FloatRange(min=0)
                    "with the error (the point flags are not used).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as a JSON array on stdout.")
 def model(preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, ranks, gpus_per_node,
-          num_tokens, record_path, tflops, weight_gbps, fixed_us, nvlink_gbps, rdma_gbps, nvlink_barrier_us,
+          max_nodes, num_tokens, record_path, tflops, weight_gbps, fixed_us, nvlink_gbps, rdma_gbps, nvlink_barrier_us,
           rdma_barrier_us, against_path, as_json):
     """Predict the layer's time per point at any EP size: the fused kernel (the pull, the GEMMs
     and the push overlapped) against the unfused pipeline (dispatch all-to-all, GEMMs, combine
@@ -73,6 +76,7 @@ def model(preset, hidden, intermediate, num_experts, num_topk, weights, activati
     Examples:
       megamoe model --preset deepseek-v3 --ranks 8,16,32,64 --tokens 1,128,8192
       megamoe model --preset deepseek-v4-flash --ranks 32 --gpus-per-node 8 --json
+      megamoe model --preset deepseek-v3 --ranks 64 --max-nodes 4 --tokens 128,8192
       megamoe model --preset seed-default --weights fp8 --ranks 8 --tflops 1290
       megamoe model --against results/h200x2/record.csv
     """
@@ -94,7 +98,7 @@ def model(preset, hidden, intermediate, num_experts, num_topk, weights, activati
     if against_path is not None:
         given = [param.opts[0] for param in ctx.command.params
                  if param.name in ("preset", "hidden", "intermediate", "num_experts", "num_topk", "weights",
-                                   "activation_clamp", "ranks", "num_tokens")
+                                   "activation_clamp", "ranks", "max_nodes", "num_tokens")
                  and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE]
         if given:
             raise click.UsageError(f"--against predicts the file's own points; drop {', '.join(given)}")
@@ -116,9 +120,12 @@ def model(preset, hidden, intermediate, num_experts, num_topk, weights, activati
     rows = []
     for num_ranks in ranks:
         try:
-            topo = perfmodel.Topology(num_ranks, gpus_per_node)
+            topo = perfmodel.Topology(num_ranks, gpus_per_node, max_nodes)
             if shape.num_experts % num_ranks:
                 raise MegaMoEError(f"num_experts={shape.num_experts} is not divisible by it")
+            if shape.num_topk > topo.nodes_per_token * shape.num_experts // topo.num_nodes:
+                raise MegaMoEError(f"top-{shape.num_topk} does not fit in --max-nodes {max_nodes} node(s) of "
+                                   f"{shape.num_experts // topo.num_nodes} experts")
         except MegaMoEError as exc:
             raise MegaMoEError(f"--ranks {num_ranks}: {exc}") from None
         for tokens in num_tokens:
@@ -193,8 +200,8 @@ def _print_rows(console, rows, name, shape, rates, links) -> None:
              f"{rates.fixed_s * 1e6:.1f} us per call, NVLink {links.nvlink_bytes_per_s / 1e9:g} GB/s, "
              f"RDMA {links.rdma_bytes_per_s / 1e9:g} GB/s")
     console.print(rich_table(view, title=title))
-    console.print(f"rates from {rates.source}; every row is predicted (uniform random top-k routing), none measured",
-                  highlight=False)
+    console.print(f"rates from {rates.source}; every row is predicted (routing: top-k "
+                  f"{rows[0]['routing']}), none measured", highlight=False)
 
 
 def _print_agreement(console, rows, against_path, rates, as_json) -> None:
