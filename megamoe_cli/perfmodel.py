@@ -38,8 +38,9 @@ Time:
 - fused: ``fixed + barriers + max(compute, weights, nvlink, rdma)``: the kernel overlaps the
   pull, the GEMMs and the push; ``barriers`` are its two cross-rank waits (count exchange,
   combine), each a round trip over the slowest link kind in use (none at R = 1);
-- unfused: ``fixed + max(compute, weights) + 2 * (barrier + max(nvlink, rdma) of the phase)``:
-  dispatch all-to-all, grouped GEMMs at the same per-GPU rates, combine all-to-all, in series.
+- unfused: ``fixed + max(compute, weights) + dispatch + combine``, each all-to-all phase a
+  barrier plus the slower of its NVLink and RDMA bytes: dispatch, grouped GEMMs at the same
+  per-GPU rates, combine, in series.
   At R = 1 both are the same time: the model's speed-up is the overlap and the traffic alone.
 
 ``fixed`` and the two rates are fitted on world-size-1 fused rows of the record; rows between
