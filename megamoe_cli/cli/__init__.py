@@ -154,13 +154,14 @@ def _register() -> None:
     from .ab import ab
     from .bench import bench
     from .build import build
+    from .model import model
     from .profile import profile
     from .record import record
     from .report import report
     from .sizes import sizes
     from .tune import tune
 
-    for command in (sizes, bench, tune, report, record, profile, ab, build):
+    for command in (sizes, bench, tune, report, record, profile, ab, build, model):
         main.add_command(command)
 
 
