@@ -16,7 +16,7 @@ from megamoe_cli import peers
 from megamoe_cli.backends import BACKENDS, BASELINE_BACKENDS, PEER_BACKENDS
 from megamoe_cli.bench import compare, launcher, results, sweep
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.peers import deepgemm, sglang
+from megamoe_cli.peers import align, deepgemm, sglang
 from megamoe_cli.quant import FP8_DTYPE, dequantize_per_token, quantize_per_token
 
 
@@ -139,16 +139,20 @@ def _align_reference(topk_ids, num_experts, block_m):
     return sorted_ids, expert_ids
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
 @pytest.mark.parametrize("tokens,topk,experts,block_m", [(1, 8, 256, 64), (37, 4, 16, 16), (300, 6, 8, 128),
-                                                         (0, 2, 4, 16)])
-def test_align_matches_the_plain_definition(tokens, topk, experts, block_m):
+                                                         (0, 2, 4, 16), (5, 8, 384, 16)])
+def test_align_matches_the_plain_definition(monkeypatch, path, tokens, topk, experts, block_m):
+    triton_interpreter.kernels()
+    if path == "torch":
+        monkeypatch.setattr(align, "TRITON_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(tokens + experts)
     ids = torch.randint(-1, experts, (tokens, topk), generator=g, dtype=torch.int32)
     max_padded = tokens * topk + experts * (block_m - 1)
     sorted_ids = torch.full((max_padded,), -7, dtype=torch.int32)
     expert_ids = torch.full((-(-max_padded // block_m),), -7, dtype=torch.int32)
     num_post = torch.zeros(1, dtype=torch.int32)
-    sglang.align_block_size(ids, experts, block_m, sorted_ids, expert_ids, num_post)
+    align.align_block_size(ids, experts, block_m, sorted_ids, expert_ids, num_post)
     want_sorted, want_experts = _align_reference(ids, experts, block_m)
     n = int(num_post)
     assert n == len(want_sorted)

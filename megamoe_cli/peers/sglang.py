@@ -4,8 +4,9 @@ The pipeline is the one SGLang's ``fused_experts`` runs for block-scaled FP8 wei
 (``fp8_w8a8``, 128x128 blocks), with SGLang's own kernels where they are Triton code:
 
 1. align: the (token, slot) pairs sorted by expert, each expert padded to ``BLOCK_SIZE_M``
-   (SGLang calls ``sgl_kernel.moe_align_block_size``, a CUDA extension built for one torch; this
-   module computes the same three tensors with torch operations that read nothing on the host);
+   (SGLang calls ``sgl_kernel.moe_align_block_size``, a CUDA extension built for one torch;
+   ``peers.align`` computes the same three tensors without reading anything on the host, and each
+   row records what it costs as ``align_us``);
 2. L1: ``invoke_fused_moe_kernel`` on the BF16 tokens, which quantizes them per token per 128
    channels itself, as SGLang does with the hidden states it is given;
 3. SiLU-and-mul: ``act_and_mul_triton``, after a torch clamp when the layer has one;
@@ -39,6 +40,7 @@ from ..problem import Problem
 from ..quant import BLOCK, dequantize_per_token
 from ..reference import resolve_group
 from . import SGLANG, import_peer, version_of
+from .align import align_block_size
 
 _KERNELS = "sglang.srt.layers.moe.fused_moe_triton.fused_moe_triton_kernels"
 _CONFIG = "sglang.srt.layers.moe.fused_moe_triton.fused_moe_triton_config"
@@ -132,36 +134,6 @@ def load_kernels(backend: str):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MegaMoEError(f"backend {backend!r}: SGLang's Triton MoE kernels do not load from {root} "
                            f"({type(exc).__name__}: {first})") from None
-
-
-def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids: torch.Tensor,
-                     expert_ids: torch.Tensor, num_post_padded: torch.Tensor) -> None:
-    """What ``moe_align_block_size`` computes, into fixed-size tensors (graph-safe): the pair
-    indices (``token * topk + slot``) sorted by expert, each expert's run padded to ``block_m``
-    with ``topk_ids.numel()``; the expert of each block (-1 past the last); the padded count.
-    Pairs with no expert (-1) are left out."""
-    flat = topk_ids.reshape(-1)
-    numel = flat.numel()
-    key = torch.where(flat >= 0, flat, num_experts).long()
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    first_of_key = counts.cumsum(0) - counts
-    rank = torch.arange(numel, device=flat.device) - first_of_key[sorted_key]
-    starts = torch.cat([ends.new_zeros(1), ends])[sorted_key.clamp(max=num_experts)]
-    dest = torch.where(sorted_key < num_experts, starts + rank, sorted_ids.numel())
-    sorted_ids.fill_(numel)
-    spare = torch.empty(sorted_ids.numel() + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
-    spare[: sorted_ids.numel()] = sorted_ids
-    spare.scatter_(0, dest, order.to(sorted_ids.dtype))
-    sorted_ids.copy_(spare[: sorted_ids.numel()])
-    block_starts = torch.arange(expert_ids.numel(), device=flat.device) * block_m
-    block = torch.searchsorted(ends, block_starts, right=True)
-    expert_ids.copy_(torch.where(block < num_experts, block, -1).to(expert_ids.dtype))
-    num_post_padded.copy_(ends[-1:].to(num_post_padded.dtype))
 
 
 class _SGLangRunner:
