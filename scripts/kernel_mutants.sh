@@ -9,7 +9,7 @@
 # For each mutant the tree is copied to a scratch folder, the patch applied there, and the tests
 # run from that copy (its kernels compile into MEGAMOE_CACHE_DIR under their own source hash).
 # A mutant is killed when a test fails; one that passes, or a patch that does not apply, makes
-# the exit status 1.  The kernel's deadlines run at MEGAMOE_TIMEOUT_S (default here 10 s, not
+# the exit status 1.  The kernel's deadlines run at MEGAMOE_TIMEOUT_S (default here 20 s, not
 # the library's 30 s), since several mutants are caught by a wait that times out.  The run ends
 # with a table: each mutant and the tests that failed with it (by world size), or SURVIVED.
 # --build compiles the mutants' variants instead (no GPU needed), so a GPU machine sharing
@@ -41,7 +41,7 @@ header() {  # field, patch: the field's lines, without "# field: "
   sed -n "s/^# $1: //p" "$2"
 }
 
-export MEGAMOE_TIMEOUT_S=${MEGAMOE_TIMEOUT_S:-10}
+export MEGAMOE_TIMEOUT_S=${MEGAMOE_TIMEOUT_S:-20}
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 status=0
