@@ -10,7 +10,8 @@
 # run from that copy (its kernels compile into MEGAMOE_CACHE_DIR under their own source hash).
 # A mutant is killed when a test fails; one that passes, or a patch that does not apply, makes
 # the exit status 1.  The kernel's deadlines run at MEGAMOE_TIMEOUT_S (default here 20 s, not
-# the library's 30 s), since several mutants are caught by a wait that times out.  The run ends
+# the library's 30 s), since several mutants are caught by a wait that times out; one mutant's
+# tests get MUTANT_TIMEOUT_S (default 480 s) before they are stopped (NO RESULT).  The run ends
 # with a table: each mutant and the tests that failed with it (by world size), or SURVIVED.
 # --build compiles the mutants' variants instead (no GPU needed), so a GPU machine sharing
 # MEGAMOE_CACHE_DIR loads them instead of compiling.
@@ -42,6 +43,7 @@ header() {  # field, patch: the field's lines, without "# field: "
 }
 
 export MEGAMOE_TIMEOUT_S=${MEGAMOE_TIMEOUT_S:-20}
+MUTANT_TIMEOUT_S=${MUTANT_TIMEOUT_S:-480}
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 status=0
@@ -74,7 +76,9 @@ for name in "${names[@]}"; do
   tests=$(header tests "$patch")
   ranks=$(header ranks "$patch")
   log="$scratch/$name.log"
-  (cd "$tree" && eval "OVERSUB_RANKS=\"$ranks\" bash scripts/gpu_tests.sh $tests") > "$log" 2>&1
+  # (a whole process group: a kernel that hangs past its deadlines cannot hold the run)
+  (cd "$tree" && eval "OVERSUB_RANKS=\"$ranks\" timeout -k 30 \"$MUTANT_TIMEOUT_S\" bash scripts/gpu_tests.sh $tests") \
+    > "$log" 2>&1
   rc=$?
   grep -E "^=== |passed|failed|^FAILED" "$log" | grep -v "^=== world size [0-9].*: exit" | cut -c1-200 | tail -12
   # The failed tests, each with the world size of the step it failed in (gpu_tests.sh's "=== world
@@ -85,6 +89,11 @@ for name in "${names[@]}"; do
   if [ "$rc" -ne 0 ] && grep -qE "[0-9]+ (failed|error)" "$log"; then
     echo "=== mutant $name: killed"
     table+=("$name|${failed:-(failed; no test named)}")
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "=== mutant $name: the tests ran past $MUTANT_TIMEOUT_S s and were stopped; log:"
+    tail -20 "$log"
+    table+=("$name|NO RESULT (stopped after $MUTANT_TIMEOUT_S s)")
+    status=1
   elif [ "$rc" -ne 0 ]; then
     echo "=== mutant $name: the tests did not run to a failure (exit status $rc); log:"
     tail -20 "$log"
