@@ -170,31 +170,34 @@ def main(argv=None) -> int:
 
 def check_table(shape, args) -> int:
     """The tests' rule on the emulated kernel: per setting, the cases it fails and the largest
-    error / bound it saw at each level (token, rank, layer); below 1 everywhere is a pass."""
+    error / bound it saw at each level (token, a token's error along its row, rank, layer); below 1
+    everywhere is a pass."""
     from megamoe_cli.tolerance import judge, summarize
 
     print(f"shape {args.shape} (hidden {shape.hidden}, intermediate {shape.intermediate}, {shape.num_experts} "
           f"experts, top-{shape.num_topk}), routing {args.routing}; {args.seeds} fresh cases per row; "
           f"largest error / bound at each level")
-    print(f"{'bits':>4} {'ranks':>5} {'tok/rank':>8} | {'failed':>6} | {'token':>7} {'rank':>7} {'layer':>7} | "
-          f"{'largest token err':>17} {'layer err median':>16}")
+    print(f"{'bits':>4} {'ranks':>5} {'tok/rank':>8} | {'failed':>6} | {'token':>7} {'along':>7} {'rank':>7} "
+          f"{'layer':>7} | {'largest token err':>17} {'layer err median':>16}")
     cache: dict = {}
     failed_any = 0
     for bits in args.bits:
         for ranks in args.ranks:
             for tokens in args.tokens:
-                failed, token_m, rank_m, layer_m, token_e, layers = 0, 0.0, 0.0, 0.0, 0.0, []
+                failed, token_m, along_m, rank_m, layer_m, token_e, layers = 0, 0.0, 0.0, 0.0, 0.0, 0.0, []
                 for seed in range(args.seeds):
                     outs = case_outputs(shape, ranks, tokens, seed, bits, cache, args.weight_reuse, args.routing)
                     verdict = judge([summarize(yk, yr, idx, shape.intermediate) for yk, yr, idx in outs])
                     failed += not verdict.ok
                     token_m = max(token_m, verdict.worst_token / verdict.worst_token_bound)
+                    along_m = max(along_m, verdict.worst_scale / verdict.worst_scale_bound)
                     rank_m = max(rank_m, verdict.worst_rank / verdict.worst_rank_bound)
                     layer_m = max(layer_m, verdict.layer / verdict.layer_bound)
                     token_e = max(token_e, verdict.worst_token)
                     layers.append(verdict.layer)
                 failed_any += failed
-                print(f"{bits:>4} {ranks:>5} {tokens:>8} | {failed:>6} | {token_m:>7.3f} {rank_m:>7.3f} {layer_m:>7.3f} | "
+                print(f"{bits:>4} {ranks:>5} {tokens:>8} | {failed:>6} | {token_m:>7.3f} {along_m:>7.3f} {rank_m:>7.3f} "
+                      f"{layer_m:>7.3f} | "
                       f"{token_e:>17.2e} {quantiles(layers, (0.5,))[0]:>16.2e}", flush=True)
     return 1 if failed_any else 0
 

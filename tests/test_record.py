@@ -162,6 +162,8 @@ def test_sigterm_stops_every_rank_and_the_metadata_says_the_record_stopped(tmp_p
             time.sleep(0.1)
         (run_dir,) = tmp_path.glob("megamoe-bench-*")
         while len(launcher.worker_pids(run_dir)) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the ranks never recorded their process ids"
             time.sleep(0.1)
         ranks = list(launcher.worker_pids(run_dir).values())
         proc.send_signal(signal.SIGTERM)

@@ -64,3 +64,58 @@ def test_kernel_mutant_applies_and_names_its_tests(tmp_path, patch):
     changed = subprocess.run(["diff", "-r", str(SCRIPTS.parent / "csrc"), str(tmp_path / "csrc")],
                              capture_output=True, text=True, timeout=60)
     assert changed.returncode == 1 and changed.stdout, "the patch changed nothing"
+
+
+README = SCRIPTS.parent / "tests" / "gpu" / "mutants" / "README.md"
+# The parts of the kernel a planted bug must exist for (README.md's part column)
+KERNEL_PARTS = {"fp8-mainloop", "dispatch", "combine-push", "combine-reduce", "barrier-reset", "scheduler",
+                "l1-l2-ready", "mxfp4"}
+
+
+def readme_rows():
+    rows = {}
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("mutant", "---"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_the_mutant_list_names_every_patch_and_every_part_has_one():
+    rows = readme_rows()
+    assert sorted(rows) == sorted(p.stem for p in MUTANTS), "tests/gpu/mutants/README.md and the patches disagree"
+    assert set(rows.values()) == KERNEL_PARTS, set(rows.values()) ^ KERNEL_PARTS
+
+
+def test_mutant_run_prints_the_table_of_failed_tests(tmp_path):
+    """kernel_mutants.sh against a stand-in gpu_tests.sh: a mutant whose tests fail lists them by
+    world size, one whose tests pass is SURVIVED and makes the exit status 1."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    (root / "tests" / "gpu" / "mutants").mkdir(parents=True)
+    (root / "megamoe_cli").mkdir()
+    (root / "csrc").mkdir()
+    (root / "csrc" / "k.cuh").write_text("int a = 1;\n")
+    shutil.copy(SCRIPTS / "kernel_mutants.sh", root / "scripts")
+    (root / "scripts" / "gpu_tests.sh").write_text(
+        "#!/usr/bin/env bash\n"
+        "echo '=== world size 1'\n"
+        "if grep -q 'a = 2' csrc/k.cuh; then\n"
+        "  echo 'FAILED tests/gpu/test_fused.py::test_x[small-1] - AssertionError: far - off'\n"
+        "  echo '1 failed, 2 passed'; echo '=== world size 1: exit status 1'\n"
+        "  echo \"=== world size 2 on 1 GPU(s)\"\n"
+        "  echo 'FAILED tests/gpu/test_fused.py::test_y - RuntimeError'; echo '1 failed'; exit 1\n"
+        "fi\n"
+        "echo '3 passed'; echo '=== world size 1: exit status 0'\n")
+    diff = "diff --git a/csrc/k.cuh b/csrc/k.cuh\n--- a/csrc/k.cuh\n+++ b/csrc/k.cuh\n@@ -1 +1 @@\n-int a = 1;\n+int a = {}; \n"
+    for name, value in (("caught", 2), ("missed", 3)):
+        (root / "tests" / "gpu" / "mutants" / f"{name}.patch").write_text(
+            f"# bug: a is {value}\n# tests: quick tests/gpu\n# build: --preset small\n" + diff.format(value))
+    done = subprocess.run(["bash", str(root / "scripts" / "kernel_mutants.sh")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    table = done.stdout[done.stdout.index("=== mutant -> tests that failed"):].splitlines()[1:]
+    assert [line.split() for line in table] == [
+        ["caught", "ws1:test_x[small-1]", "ws2:test_y"],
+        ["missed", "SURVIVED"],
+    ], done.stdout

@@ -615,9 +615,23 @@ def test_launcher_plan_extra_cannot_replace_the_plan(tmp_path):
 
 STAND_IN_BACKEND = textwrap.dedent(
     """
-    import time
-
+    import megamoe_cli.bench.session as session
     from megamoe_cli.reference import moe_reference_distributed
+
+
+    class VirtualClock:
+        \"\"\"The session's clock in these ranks: it moves only by what a stand-in call says it took,
+        so which candidate wins does not depend on how loaded the machine is.\"\"\"
+
+        def __init__(self):
+            self.now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+
+    CLOCK = VirtualClock()
+    session.time = CLOCK
 
     # (num_tokens, num_stages, num_sms) -> seconds per call on rank 0 and rank 1
     DELAYS = {(16, 4, 0): (0.012, 0.012), (16, 3, 112): (0.001, 0.030), (16, 4, 112): (0.004, 0.004)}
@@ -636,7 +650,7 @@ STAND_IN_BACKEND = textwrap.dedent(
         def __call__(self):
             if self.key == FAULT:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            time.sleep(DELAYS.get(self.key, (0.020, 0.020))[self.rank])
+            CLOCK.now += DELAYS.get(self.key, (0.020, 0.020))[self.rank]
             return self.y
 
 
@@ -660,8 +674,9 @@ def test_tune_under_torchrun_on_two_cpu_ranks(store, tmp_path, monkeypatch):
     assert first.status == "tuned", first.message
     by = {(r.candidate.num_stages, r.candidate.num_sms): r for r in first.results}
     assert first.winner is by[(4, 112)]
-    assert by[(3, 112)].slowest_rank == 1 and by[(3, 112)].time_us == max(by[(3, 112)].rank_times_us) > 25e3
-    assert min(by[(3, 112)].rank_times_us) < 10e3  # rank 0 alone would have picked it
+    assert by[(3, 112)].slowest_rank == 1 and by[(3, 112)].time_us == max(by[(3, 112)].rank_times_us)
+    # rank 0 alone would have picked it (the stand-in's calls advance the ranks' clocks by exactly DELAYS)
+    assert by[(3, 112)].rank_times_us == pytest.approx([1e3, 30e3])
     assert by[(2, 0)].status == by[(2, 112)].status == WRONG
     assert by[(4, 0)].candidate.is_default and first.entry["speedup"] > 2
     assert second.status == "failed" and "stopped: candidate" in second.message

@@ -9,7 +9,8 @@ from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.contract import SUPPORTED_BLOCK_M
 from megamoe_cli.fused import FusedBackend, SymmBuffer, call_config, mega_moe, synchronize, transform_weights_for_mega_moe
 from megamoe_cli.layout import PRESETS, MoEShape
-from megamoe_cli.problem import make_problem
+from megamoe_cli.problem import make_problem, make_routing
+from megamoe_cli.quant import quantize_per_token
 from megamoe_cli.reference import moe_reference_distributed
 from megamoe_cli.tolerance import assert_output_ok
 
@@ -159,6 +160,65 @@ def test_back_to_back_graph_and_bitwise(group, shape_name, num_tokens):
         graph.replay()
         synchronize(runner.buf)
         assert torch.equal(runner.y, first), "CUDA-graph replay differs from the eager result"
+
+
+# Calls with the same inputs cannot tell a kernel that left state behind from a right one: a tile
+# counter or a ready word not returned to zero makes the next call skip work and return the
+# previous call's combine rows, or let its L2 tiles read the previous call's L1 columns, which are
+# right again for the same inputs.  So each call here gets new tokens and routing (same weights) in
+# place, eagerly and through a captured graph, and each result must match its own reference and
+# differ from the previous one.  deepseek-v3 at 1 token: the L2 tiles stream K blocks while the
+# other L1 tiles of their block still run (see above), where a wrong ready bit reads stale columns.
+@pytest.mark.parametrize("shape_name,num_tokens", [("small", 96), ("deepseek-v3", 1)])
+def test_back_to_back_calls_with_new_inputs(group, shape_name, num_tokens):
+    import dataclasses
+
+    rank, world = rank_and_world(group)
+    seed = shared_seed(group)
+    base = make_problem(SHAPES[shape_name], rank, world, num_tokens, 128, "cuda", seed)
+    runner = FusedBackend().prepare(base, group, {})
+    inputs = ("x", "x_sf", "topk_idx", "topk_weights")
+
+    def with_inputs_of(i):
+        """The base problem's weights with call i's tokens and routing."""
+        gen = torch.Generator(device="cuda").manual_seed(seed + 1000 * (i + 1) + rank)
+        x, x_sf = quantize_per_token(torch.randn(num_tokens, base.shape.hidden, generator=gen, device="cuda"))
+        topk_idx, topk_weights = make_routing(base.shape, rank, num_tokens, "cuda", seed + 1 + i)
+        return dataclasses.replace(base, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)
+
+    def call(problem, replay=None):
+        for name in inputs:  # in place: the runner (and its graph) read these tensors
+            getattr(runner.problem, name).copy_(getattr(problem, name))
+        runner.y.fill_(float("nan"))
+        if group is not None:
+            torch.distributed.barrier(group=group)
+        if replay is None:
+            runner()
+        else:
+            replay()
+        synchronize(runner.buf)
+        check_against_reference(problem, group, runner.y)
+        return runner.y.clone()
+
+    previous = None
+    for i in range(4):
+        y = call(with_inputs_of(i))
+        assert previous is None or not torch.equal(y, previous), "a call with new inputs returned the last result"
+        previous = y
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        runner()
+        synchronize(runner.buf)
+        with torch.cuda.graph(graph, stream=stream):
+            runner()
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(4, 8):
+        y = call(with_inputs_of(i), replay=graph.replay)
+        assert not torch.equal(y, previous), "a graph replay with new inputs returned the last result"
+        previous = y
 
 
 def test_graph_backend_replays_the_eager_result(group):
