@@ -66,8 +66,12 @@ On a rank, a point's problem, reference output, timing loop and L2 flush are the
 own (``bench.session``, through ``CandidateTimer``): a candidate is timed as a bench point is,
 one call per sample.
 
+The unfused baseline (``--backend torch-graph`` or ``torch``) is tuned by the same run: its
+candidates, sweeps and plans are ``bench.tune_baseline``'s (a sweep carries its backend and its
+grid, and a baseline grid plans its own points); it has nothing to build beforehand.
+
 Imports: ``rundir``, ``session``, ``sweep`` (module level); ``launcher`` (the run),
-``envinfo`` and ``results`` (inside functions).  The bench worker imports this module for a
+``envinfo``, ``results`` and ``tune_baseline`` (inside functions).  The bench worker imports this module for a
 plan's ``tune`` section; this module does not import the worker.
 """
 
@@ -152,6 +156,11 @@ class Candidate:
         size, then every SM before fewer."""
         return (self.block_m, self.num_stages, self.cluster_m, 0 if self.num_sms == 0 else 1, -self.num_sms)
 
+    def columns(self) -> List[Tuple[str, str]]:
+        """(header, value) of each knob, for tables."""
+        return [("block_m", str(self.block_m)), ("stages", str(self.num_stages)), ("cluster", str(self.cluster_m)),
+                ("SMs", ALL_SMS if self.num_sms == 0 else str(self.num_sms))]
+
     def config(self) -> Dict[str, Any]:
         """The form the store and ``heuristics.default_config`` use (num_sms None = every SM)."""
         return {**dict(self.fixed), "block_m": self.block_m, "num_stages": self.num_stages,
@@ -173,6 +182,17 @@ class Candidate:
         data = dict(data)
         data["fixed"] = tuple(tuple(item) for item in data.get("fixed", ()))
         return cls(**data)
+
+
+def candidate_from_dict(data: Mapping[str, Any]):
+    """A candidate of either kernel from its ``to_dict`` form (the baseline's carry their kind)."""
+    if data.get("kind") is not None:
+        from .tune_baseline import BaselineCandidate
+
+        if data["kind"] != BaselineCandidate.KIND:
+            raise MegaMoEError(f"unknown candidate kind {data['kind']!r}")
+        return BaselineCandidate.from_dict(data)
+    return Candidate.from_dict(data)
 
 
 @dataclass(frozen=True)
@@ -216,7 +236,7 @@ class CandidateResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CandidateResult":
         data = dict(data)
-        data["candidate"] = Candidate.from_dict(data["candidate"])
+        data["candidate"] = candidate_from_dict(data["candidate"])
         data["rank_times_us"] = tuple(data.get("rank_times_us", ()))
         for key in ("rel_err", "rel_err_layer"):
             if isinstance(data.get(key), str):
@@ -256,8 +276,9 @@ class TuneSweep:
     description: str
     source: str
     points: List[Point]
-    grid: CandidateGrid = field(default_factory=CandidateGrid)
+    grid: Any = field(default_factory=CandidateGrid)  # CandidateGrid, or tune_baseline.BaselineGrid
     notes: List[str] = field(default_factory=list)
+    backend: str = DEFAULT_BACKEND  # the backend whose configs are tuned
 
 
 def _grid(check: Checker, doc: Mapping[str, Any]) -> CandidateGrid:
@@ -289,7 +310,7 @@ def _grid(check: Checker, doc: Mapping[str, Any]) -> CandidateGrid:
     return CandidateGrid(**grid)
 
 
-def _buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str]]:
+def buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str]]:
     """Token counts rounded up to their bucket's upper edge, and a note for each one moved."""
     if "num_tokens" not in doc:
         raise check.fail((), "missing required key 'num_tokens' (tokens per rank)")
@@ -315,16 +336,34 @@ def _buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[st
     return list(buckets), notes
 
 
-def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None) -> TuneSweep:
-    """Check a parsed tune sweep and expand it into one fused point per shape and bucket."""
+def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None,
+                        backend: str = DEFAULT_BACKEND) -> TuneSweep:
+    """Check a parsed tune sweep and expand it into one point per shape and bucket (of the fused
+    kernel, or with ``backend`` torch or torch-graph of the baseline: ``tune_baseline``)."""
+    from . import tune_baseline
+
+    if backend in tune_baseline.BACKENDS:
+        return tune_baseline.validate_tune_sweep(data, source, lines, backend)
     check = Checker(source, lines or {})
     doc = check.mapping(data, (), TUNE_SWEEP_KEYS)
+    if "backends" in doc and doc["backends"] not in (DEFAULT_BACKEND, [DEFAULT_BACKEND]):
+        raise check.fail(("backends",), f"tuning measures the fused kernel: give backends: [{DEFAULT_BACKEND}] "
+                                        f"or leave it out (a baseline's sweep: tune with --backend naming it), "
+                                        f"got {doc['backends']!r}")
+    check_tune_doc(check, doc)
+    grid = _grid(check, doc)
+    tokens, notes = buckets(check, doc)
+    bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}
+    bench_doc.update(num_tokens=tokens, backends=[DEFAULT_BACKEND], check=True)
+    sweep = validate_sweep(bench_doc, source, lines)
+    return TuneSweep(sweep.name, sweep.description, source, sweep.points, grid, notes)
+
+
+def check_tune_doc(check: Checker, doc: Mapping[str, Any]) -> None:
+    """The bench-sweep keys a tune fixes: the buffer, the check and one call per sample."""
     if "num_max_tokens_per_rank" in doc:
         raise check.fail(("num_max_tokens_per_rank",),
                          "a tune point's buffer holds exactly its bucket's upper edge; drop this key")
-    if "backends" in doc and doc["backends"] not in (DEFAULT_BACKEND, [DEFAULT_BACKEND]):
-        raise check.fail(("backends",), f"tuning measures the fused kernel: give backends: [{DEFAULT_BACKEND}] "
-                                        f"or leave it out, got {doc['backends']!r}")
     if doc.get("check", True) is not True:
         raise check.fail(("check",), "every candidate is checked against the reference: give check: true or "
                                      "leave it out")
@@ -332,24 +371,18 @@ def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]
         raise check.fail(("calls_per_sample",), "a candidate is timed one call per sample (after a barrier): "
                                                 f"give calls_per_sample: 1 or leave it out, got "
                                                 f"{doc['calls_per_sample']!r}")
-    grid = _grid(check, doc)
-    tokens, notes = _buckets(check, doc)
-    bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}
-    bench_doc.update(num_tokens=tokens, backends=[DEFAULT_BACKEND], check=True)
-    sweep = validate_sweep(bench_doc, source, lines)
-    return TuneSweep(sweep.name, sweep.description, source, sweep.points, grid, notes)
 
 
-def load_tune_sweep_text(text: str, source: str = "<tune sweep>") -> TuneSweep:
+def load_tune_sweep_text(text: str, source: str = "<tune sweep>", backend: str = DEFAULT_BACKEND) -> TuneSweep:
     data, lines = parse_yaml(text, source)
     if data is None:
         raise MegaMoEError(f"{source}: the tune sweep is empty; expected a mapping with keys "
                            f"{', '.join(TUNE_SWEEP_KEYS)}")
-    return validate_tune_sweep(data, source, lines)
+    return validate_tune_sweep(data, source, lines, backend)
 
 
-def load_tune_sweep(path: Union[str, Path]) -> TuneSweep:
-    return load_tune_sweep_text(read_sweep_file(path, "tune sweep file"), str(path))
+def load_tune_sweep(path: Union[str, Path], backend: str = DEFAULT_BACKEND) -> TuneSweep:
+    return load_tune_sweep_text(read_sweep_file(path, "tune sweep file"), str(path), backend)
 
 
 def with_grid(sweep: TuneSweep, **spans: Optional[Sequence[Union[int, str]]]) -> TuneSweep:
@@ -358,6 +391,10 @@ def with_grid(sweep: TuneSweep, **spans: Optional[Sequence[Union[int, str]]]) ->
     unknown = sorted(set(spans) - set(CANDIDATE_KEYS))
     if unknown:
         raise MegaMoEError(f"unknown candidate dimensions {unknown}; expected {', '.join(CANDIDATE_KEYS)}")
+    if not isinstance(sweep.grid, CandidateGrid):
+        from . import tune_baseline
+
+        return tune_baseline.with_grid(sweep, **spans)
     given = {key: list(value) for key, value in spans.items() if value}
     if not given:
         return sweep
@@ -389,6 +426,7 @@ def tune_sweep_from_flags(
     flush_l2: Optional[bool] = None,
     timeout_s: Optional[float] = None,
     name: str = "cli",
+    backend: str = DEFAULT_BACKEND,
 ) -> TuneSweep:
     """A tune sweep from command-line values, through the same validator as files."""
     shape: Dict[str, Any] = {"preset": preset or "deepseek-v3"}
@@ -405,10 +443,12 @@ def tune_sweep_from_flags(
         doc["block_m"] = list(block_m)
     spans = (("num_stages", num_stages), ("cluster_m", cluster_m), ("num_sms", num_sms))
     candidates = {key: list(value) for key, value in spans if value}
-    if candidates:
-        doc["candidates"] = candidates
     optional = {"warmup": warmup, "iters": iters, "seed": seed, "flush_l2": flush_l2, "timeout_s": timeout_s}
     doc.update({key: value for key, value in optional.items() if value is not None})
+    if backend != DEFAULT_BACKEND:
+        return with_grid(validate_tune_sweep(doc, "command-line flags", backend=backend), **candidates)
+    if candidates:
+        doc["candidates"] = candidates
     return validate_tune_sweep(doc, "command-line flags")
 
 
@@ -485,6 +525,8 @@ def plan_point(point: Point, world_size: int, gpu: str, grid: CandidateGrid) -> 
 
 
 def plan_tune(sweep: TuneSweep, world_size: int, gpu: str) -> List[PointPlan]:
+    if not isinstance(sweep.grid, CandidateGrid):
+        return sweep.grid.plan(sweep.points, world_size, gpu)
     return [plan_point(point, world_size, gpu, sweep.grid) for point in sweep.points]
 
 
@@ -717,7 +759,7 @@ def tune_point(worker, index: int, point: Point) -> Dict[str, Any]:
     from .results import STATUS_FAILED, STATUS_OK
 
     section = worker.plan["tune"]
-    candidates = [Candidate.from_dict(c) for c in section["candidates"][index]]
+    candidates = [candidate_from_dict(c) for c in section["candidates"][index]]
     records = section["records"]
     timer = CandidateTimer(worker.session, point, load_backend(section.get("backend", DEFAULT_BACKEND)))
 
@@ -874,7 +916,7 @@ def run_tune(
     gpu: Optional[str] = None,
     dry_run: bool = False,
     device: str = "cuda",
-    backend: str = DEFAULT_BACKEND,
+    backend: Optional[str] = None,
     timeout_s: Optional[float] = None,
     progress: Optional[Progress] = None,
     build: Optional[Callable] = None,
@@ -886,12 +928,13 @@ def run_tune(
 
     ``dry_run`` plans only (candidates and exclusions; no build, no GPU: give ``gpu`` and
     ``world_size`` where none is visible).  ``backend`` is the backend whose configs are tuned: a
-    registry name, or ``module:attribute``.  ``build`` replaces ``jit.build`` and ``launch``
+    registry name, or ``module:attribute`` (default: the sweep's).  ``build`` replaces ``jit.build`` and ``launch``
     replaces ``launcher.run_bench`` (same signatures).  ``progress`` receives one line per step.
     Bad input raises :class:`MegaMoEError` before anything is built; a run that stops early
     returns status ``failed`` with a message naming the point (and the candidate, after a fault).
     """
     say = progress or (lambda message: None)
+    backend = backend or sweep.backend
     path = Path(path) if path is not None else tuned.default_path()
     device_kind, world_size, gpu = _target(device, world_size, gpu, dry_run)
     for note in sweep.notes:
@@ -904,9 +947,10 @@ def run_tune(
                        outcomes, path, gpu, world_size, dry_run=True)
 
     tuned.load(path)  # a store that cannot be read stops the run before anything is built
-    variants = {c.variant(p.point.shape, world_size, p.num_tokens) for p in plans for c in p.candidates}
-    say(f"building {len(variants)} kernel variant(s) in parallel (cached ones are reused)")
-    exclude_unbuilt(plans, build_variants(sorted(variants, key=lambda v: v.name), build))
+    if isinstance(sweep.grid, CandidateGrid):  # the baseline's Triton GEMMs compile in prepare
+        variants = {c.variant(p.point.shape, world_size, p.num_tokens) for p in plans for c in p.candidates}
+        say(f"building {len(variants)} kernel variant(s) in parallel (cached ones are reused)")
+        exclude_unbuilt(plans, build_variants(sorted(variants, key=lambda v: v.name), build))
 
     outcomes: Dict[int, PointOutcome] = {}
     runnable: List[int] = []
@@ -915,7 +959,7 @@ def run_tune(
             runnable.append(i)
         else:
             why = next(r.reason for r in plan.excluded if r.candidate == plan.default)
-            outcomes[i] = PointOutcome(plan, "failed", f"the analytic default ({plan.default.label}) cannot be "
+            outcomes[i] = PointOutcome(plan, "failed", f"the default ({plan.default.label}) cannot be "
                                        f"built ({why}); nothing to compare against, point skipped",
                                        _sorted(plan.excluded))
     if runnable:

@@ -1,0 +1,281 @@
+"""``megamoe tune --backend torch-graph`` (or ``torch``): the config search of the unfused FP8
+baseline's Triton GEMMs (``baseline_fp8.LaunchConfig``), on ``bench.tune``'s machinery.
+
+What is the baseline's own here: its candidates, its tune sweeps and its plans.  Everything else
+is ``bench.tune``'s: the ranks time every candidate in lockstep (``measure_candidates``), the
+slowest rank's median counts, every candidate's output is checked against the reference, the
+winner is the fastest that passed, and each point's winner is merged into the tuned store as the
+point finishes.  There is nothing to build beforehand: ``prepare`` compiles and loads a
+candidate's two GEMMs (Triton's JIT, cached on disk), and a candidate that does not compile or
+does not fit in shared memory is excluded there, with Triton's reason.
+
+Entries are keyed under the ``baseline`` kernel (``tuned.TunedKey.kernel``), by GPU, world size,
+shape, FP8 weights and token bucket.  An MXFP4 point runs the same FP8 GEMMs on its weights
+converted once (``weight_layout.mxfp4_as_fp8_blocks``), so its key is its FP8 twin's: a sweep that
+lists both formats tunes each shape once, and says so.
+
+Candidates: the default (``baseline_fp8.default_launch_config``, always, so the speedup over it is
+measured in the same run) plus the grid.  A grid dimension left out of the sweep is narrowed by
+what the point's expected rows per expert make plausible, so a sweep of many points stays short:
+
+* ``block_m``: the smallest block that holds the expected rows per expert and the next smaller
+  one (16 and 32 below 16 rows: decode; 64 and 128 from 65 rows: prefill);
+* ``num_warps``: 4, and 8 too from block_m 64 (two warpgroups need 64 rows to share);
+* ``num_stages``: 2-5, one depth for both GEMMs;
+* ``l2_block_n`` 128 and ``group_m`` 8 (the defaults) unless the sweep spans them.
+
+Configs whose pipelines cannot fit in shared memory (``LaunchConfig.problem``) are excluded at
+planning, with the bytes they need.
+
+A baseline tune sweep is a bench sweep of the baseline backend; its ``candidates`` section spans
+``num_warps``, ``num_stages``, ``l2_block_n`` and ``group_m`` (``block_m`` at the top level)::
+
+    name: tune_baseline
+    shapes: [{preset: deepseek-v3}]
+    num_tokens: [1, 128, 8192]
+    backends: [torch-graph]        # optional; it must be the backend tuned
+    candidates:
+      num_stages: [3, 4]
+      group_m: [8, 16]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .. import tuned
+from ..errors import MegaMoEError
+from ..gpus import gpu_spec
+from .sweep import Checker, Point, validate_sweep
+
+BACKENDS = ("torch", "torch-graph")
+GRID_KEYS = ("num_warps", "num_stages", "l2_block_n", "group_m")
+DEFAULT_STAGES = (2, 3, 4, 5)
+
+
+def _launch_module():
+    from .. import baseline_fp8
+
+    return baseline_fp8
+
+
+# ---------------------------------------------------------------------------
+# Candidates
+
+
+@dataclass(frozen=True)
+class BaselineCandidate:
+    """One launch config of the baseline's GEMMs to time (``bench.tune.Candidate``'s interface)."""
+
+    block_m: int
+    num_warps: int
+    num_stages: Tuple[int, int]  # L1, L2
+    l2_block_n: int = 128
+    group_m: int = 8
+    is_default: bool = False
+
+    KIND: ClassVar[str] = "baseline"
+
+    @classmethod
+    def of(cls, launch, is_default: bool = False) -> "BaselineCandidate":
+        return cls(launch.block_m, launch.num_warps, (launch.l1_stages, launch.l2_stages), launch.l2_block_n,
+                   launch.group_m, is_default)
+
+    @property
+    def launch(self):
+        return _launch_module().LaunchConfig(self.block_m, self.num_warps, self.num_stages[0], self.num_stages[1],
+                                             self.l2_block_n, self.group_m)
+
+    @property
+    def label(self) -> str:
+        return self.launch.label
+
+    @property
+    def order(self) -> Tuple[int, ...]:
+        """Measuring order and tie-break: the smaller block, fewer warps, shallower pipelines."""
+        return (self.block_m, self.num_warps, *self.num_stages, self.l2_block_n, self.group_m)
+
+    def columns(self) -> List[Tuple[str, str]]:
+        stages = self.num_stages
+        return [("block_m", str(self.block_m)), ("warps", str(self.num_warps)),
+                ("stages", str(stages[0]) if stages[0] == stages[1] else f"{stages[0]}/{stages[1]}"),
+                ("l2 block_n", str(self.l2_block_n)), ("group_m", str(self.group_m))]
+
+    def config(self) -> Dict[str, Any]:
+        """What the store holds (``baseline_fp8.LAUNCH_KEYS``)."""
+        return self.launch.to_config()
+
+    def backend_config(self) -> Dict[str, Any]:
+        """Every knob explicit, on the Triton GEMMs, so no stored entry can fill one in."""
+        return {"gemm": "triton", **self.config()}
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"kind": self.KIND, **self.config(), "is_default": self.is_default}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BaselineCandidate":
+        return cls(data["block_m"], data["num_warps"], tuple(data["num_stages"]), data["l2_block_n"],
+                   data["group_m"], bool(data.get("is_default", False)))
+
+
+def plausible_block_ms(rows_per_expert: float) -> Tuple[int, ...]:
+    """The two pool block sizes worth timing for this many expected rows per expert: the smallest
+    that holds them (128 above 128 rows) and the next smaller (16 and 32 below 16 rows)."""
+    block_ms = _launch_module().BLOCK_MS
+    fits = next((b for b in block_ms if rows_per_expert <= b), block_ms[-1])
+    i = block_ms.index(fits)
+    return block_ms[:2] if i == 0 else block_ms[i - 1 : i + 1]
+
+
+@dataclass(frozen=True)
+class BaselineGrid:
+    """The candidate dimensions; None: narrowed per point (module docstring)."""
+
+    block_m: Optional[Tuple[int, ...]] = None
+    num_warps: Optional[Tuple[int, ...]] = None
+    num_stages: Tuple[int, ...] = DEFAULT_STAGES
+    l2_block_n: Tuple[int, ...] = (128,)
+    group_m: Tuple[int, ...] = (8,)
+
+    def launches(self, rows_per_expert: float) -> List[Any]:
+        """Every launch config of the grid at a point with this many expected rows per expert."""
+        LaunchConfig = _launch_module().LaunchConfig
+        out = []
+        for block_m in self.block_m or plausible_block_ms(rows_per_expert):
+            warps = self.num_warps or ((4, 8) if block_m >= 64 else (4,))
+            for num_warps in warps:
+                for stages in self.num_stages:
+                    for l2_block_n in self.l2_block_n:
+                        for group_m in self.group_m:
+                            out.append(LaunchConfig(block_m, num_warps, stages, stages, l2_block_n, group_m))
+        return out
+
+    def plan(self, points: Sequence[Point], world_size: int, gpu: str) -> List[Any]:
+        return [plan_point(point, world_size, gpu, self) for point in points]
+
+
+# ---------------------------------------------------------------------------
+# Planning
+
+
+def rows_per_expert(point: Point, world_size: int) -> float:
+    s = point.shape
+    return world_size * point.num_max_tokens_per_rank * s.num_topk / s.num_experts
+
+
+def point_key(point: Point, world_size: int, gpu: str) -> tuned.TunedKey:
+    """The store key a point's winner is saved under (FP8 weights: the GEMMs' format)."""
+    shape = replace(point.shape, weights="fp8")
+    return tuned.make_key(gpu, world_size, shape, point.num_max_tokens_per_rank, kernel=tuned.BASELINE_KERNEL)
+
+
+def plan_point(point: Point, world_size: int, gpu: str, grid: BaselineGrid):
+    """The default plus the grid's launch configs, each either to measure or excluded with why."""
+    from .tune import EXCLUDED, CandidateResult, PointPlan
+
+    bf = _launch_module()
+    gpu_spec(gpu)
+    s = point.shape
+    if s.num_experts % world_size:
+        raise MegaMoEError(f"point {point.describe()}: num_experts={s.num_experts} must be divisible by "
+                           f"num_ranks={world_size}")
+    default = BaselineCandidate.of(bf.default_launch_config(world_size, point.num_max_tokens_per_rank, s.num_topk,
+                                                            s.num_experts), is_default=True)
+    why = default.launch.problem(s.hidden)
+    if why:
+        raise MegaMoEError(f"point {point.describe()} on {world_size} ranks: the default launch config "
+                           f"({default.label}) cannot run, so nothing there can be tuned: {why}")
+    candidates, excluded, seen = [default], [], {default.launch}
+    for launch in grid.launches(rows_per_expert(point, world_size)):
+        if launch in seen:
+            continue
+        seen.add(launch)
+        candidate = BaselineCandidate.of(launch)
+        why = launch.problem(s.hidden)
+        if why:
+            excluded.append(CandidateResult(candidate, EXCLUDED, "config", why))
+        else:
+            candidates.append(candidate)
+    candidates.sort(key=lambda c: c.order)
+    return PointPlan(point, point_key(point, world_size, gpu), default, candidates, excluded)
+
+
+# ---------------------------------------------------------------------------
+# Tune sweeps
+
+
+def _grid(check: Checker, doc: Mapping[str, Any], base: Optional[BaselineGrid] = None) -> BaselineGrid:
+    bf = _launch_module()
+    allowed = {"block_m": bf.BLOCK_MS, "num_warps": bf.NUM_WARPS, "num_stages": bf.NUM_STAGES,
+               "l2_block_n": bf.L2_BLOCK_NS, "group_m": bf.GROUP_MS}
+    spans: Dict[str, Tuple[int, ...]] = {}
+
+    def values(raw: Any, path: Tuple, key: str) -> Tuple[int, ...]:
+        items = check.int_list(raw, path, 1)
+        for i, value in enumerate(items):
+            if value not in allowed[key]:
+                at = path + (i,) if isinstance(raw, list) else path
+                raise check.fail(at, f"{key} must be one of {', '.join(map(str, allowed[key]))}, got {value}")
+            if value in items[:i]:
+                raise check.fail(path + (i,), f"{value} is listed twice")
+        return tuple(items)
+
+    if "block_m" in doc:
+        spans["block_m"] = values(doc["block_m"], ("block_m",), "block_m")
+    if "candidates" in doc:
+        entry = doc["candidates"]
+        if isinstance(entry, dict) and "block_m" in entry:
+            raise check.fail(("candidates", "block_m"), "give block_m at the top level, as in a bench sweep")
+        entry = check.mapping(entry, ("candidates",), GRID_KEYS)
+        for key in GRID_KEYS:
+            if key in entry:
+                spans[key] = values(entry[key], ("candidates", key), key)
+    return replace(base or BaselineGrid(), **spans)
+
+
+def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]], backend: str):
+    """A baseline tune sweep, one point per shape and bucket (MXFP4 points whose FP8 twin is in
+    the sweep are left out, with a note)."""
+    from .tune import TUNE_SWEEP_KEYS, TuneSweep, buckets, check_tune_doc
+
+    if backend not in BACKENDS:
+        raise MegaMoEError(f"the baseline tune measures backend {' or '.join(BACKENDS)}, got {backend!r}")
+    check = Checker(source, lines or {})
+    doc = check.mapping(data, (), TUNE_SWEEP_KEYS)
+    if "backends" in doc and doc["backends"] not in (backend, [backend]):
+        raise check.fail(("backends",), f"this tune measures backend {backend}: give backends: [{backend}] or "
+                                        f"leave it out (or tune with --backend naming the sweep's), got "
+                                        f"{doc['backends']!r}")
+    check_tune_doc(check, doc)
+    grid = _grid(check, doc)
+    tokens, notes = buckets(check, doc)
+    bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}
+    bench_doc.update(num_tokens=tokens, backends=[backend], check=True)
+    sweep = validate_sweep(bench_doc, source, lines)
+    points, twins = [], {}
+    for point in sweep.points:
+        fp8 = (replace(point.shape, weights="fp8"), point.num_tokens)
+        if fp8 in twins:
+            notes.append(f"{point.describe()} runs the FP8 GEMMs of {twins[fp8].describe()} on its weights "
+                         "converted once: tuned once, under the FP8 key")
+            continue
+        twins[fp8] = point
+        points.append(point)
+    return TuneSweep(sweep.name, sweep.description, source, points, grid, notes, backend=backend)
+
+
+def with_grid(sweep, **spans: Optional[Sequence[int]]):
+    """``sweep`` with the candidate dimensions the flags give replaced (block_m, num_stages)."""
+    extra = sorted(key for key, value in spans.items() if value and key not in ("block_m", "num_stages"))
+    if extra:
+        raise MegaMoEError(f"the baseline's GEMMs have no {', '.join(extra)}; its candidate dimensions are "
+                           f"block_m, {', '.join(GRID_KEYS)}")
+    doc: Dict[str, Any] = {}
+    if spans.get("block_m"):
+        doc["block_m"] = list(spans["block_m"])
+    if spans.get("num_stages"):
+        doc["candidates"] = {"num_stages": list(spans["num_stages"])}
+    if not doc:
+        return sweep
+    return replace(sweep, grid=_grid(Checker("command-line flags", {}), doc, sweep.grid))
