@@ -354,3 +354,53 @@ def test_cli_tunes_the_real_baseline_on_two_gloo_cpu_ranks_and_the_runtime_reads
     p = make_problem(PRESETS["small"], 0, 2, 16, 16, "cpu", seed=0)
     config, source = baseline_fp8.resolve_launch(p, {"gemm": "triton"}, "NVIDIA H200")
     assert config.to_config() == stored and source["config_source"] == "tuned"
+
+
+# ---------------------------------------------------------------------------- compiling ahead
+
+
+def small_plans(**doc):
+    s = sweep({"shape": {"preset": "small"}, "num_tokens": [16, 1024], "block_m": [16, 32],
+               "candidates": {"num_stages": [3]}, **doc}, backend="torch")
+    return lib.plan_tune(s, 1, "H200")
+
+
+def test_each_distinct_config_is_compiled_once_ahead_and_failures_are_reported():
+    import concurrent.futures
+
+    plans = small_plans()
+    jobs = tb.compile_jobs(plans)
+    # The default at 16 tokens (16 x 4 x 3/4) and at 1024 (128 x 8 x 3/4), and 16 and 32 at depth 3: the
+    # grid's configs are shared by both points and compiled once.
+    launches = sorted(job[1] for job in jobs)
+    assert launches == [(16, 4, 3, 3, 128, 8), (16, 4, 3, 4, 128, 8), (32, 4, 3, 3, 128, 8), (128, 8, 3, 4, 128, 8)]
+    assert {job[0] for job in jobs} == {(512, 256, 2, 2, "fp8", 0.0)}
+    seen, said = [], []
+
+    def compile_fn(shape, launch):
+        seen.append(launch)
+        return "OutOfResources: shared memory" if launch[0] == 128 else ""
+
+    failed = tb.precompile(plans, said.append, compile_fn=compile_fn, executor=concurrent.futures.ThreadPoolExecutor,
+                           workers=2)
+    assert sorted(seen) == launches
+    assert list(failed.values()) == ["OutOfResources: shared memory"]
+    assert said[0] == "compiling 4 Triton GEMM config(s) on 2 process(es) (cached ones are reused)"
+    assert said[-1].endswith("1 config(s) failed (their candidates are excluded by the ranks, with the reason)")
+
+
+def test_compiling_ahead_runs_in_spawned_processes_and_never_raises(monkeypatch):
+    """The real worker function in real processes: without a GPU every job fails, reported."""
+    plans = small_plans(block_m=[16])
+    said = []
+    failed = tb.precompile(plans, said.append, workers=2)
+    assert len(failed) == len(tb.compile_jobs(plans)) == 3
+    assert all("CUDA" in reason or "cuda" in reason for reason in failed.values()), failed
+
+    def broken_pool(workers):
+        raise OSError("cannot start processes")
+
+    said.clear()
+    assert tb.precompile(plans, said.append, executor=broken_pool) == {}
+    assert said[-1] == ("compiling ahead stopped (OSError: cannot start processes); the ranks compile each config "
+                        "themselves")

@@ -947,10 +947,14 @@ def run_tune(
                        outcomes, path, gpu, world_size, dry_run=True)
 
     tuned.load(path)  # a store that cannot be read stops the run before anything is built
-    if isinstance(sweep.grid, CandidateGrid):  # the baseline's Triton GEMMs compile in prepare
+    if isinstance(sweep.grid, CandidateGrid):
         variants = {c.variant(p.point.shape, world_size, p.num_tokens) for p in plans for c in p.candidates}
         say(f"building {len(variants)} kernel variant(s) in parallel (cached ones are reused)")
         exclude_unbuilt(plans, build_variants(sorted(variants, key=lambda v: v.name), build))
+    elif device_kind == "cuda":  # the baseline's Triton GEMMs (on CPU ranks they are interpreted)
+        from .tune_baseline import precompile
+
+        precompile(plans, say)
 
     outcomes: Dict[int, PointOutcome] = {}
     runnable: List[int] = []

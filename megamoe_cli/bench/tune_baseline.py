@@ -5,9 +5,12 @@ What is the baseline's own here: its candidates, its tune sweeps and its plans. 
 is ``bench.tune``'s: the ranks time every candidate in lockstep (``measure_candidates``), the
 slowest rank's median counts, every candidate's output is checked against the reference, the
 winner is the fastest that passed, and each point's winner is merged into the tuned store as the
-point finishes.  There is nothing to build beforehand: ``prepare`` compiles and loads a
-candidate's two GEMMs (Triton's JIT, cached on disk), and a candidate that does not compile or
-does not fit in shared memory is excluded there, with Triton's reason.
+point finishes.  ``prepare`` compiles and loads a candidate's two GEMMs (Triton's JIT), and a
+candidate that does not compile or does not fit in shared memory is excluded there, with
+Triton's reason.  On GPUs the launcher compiles every planned config first, in parallel
+processes (:func:`precompile`, as the fused tune builds its variants before the ranks start), so
+the ranks find them in Triton's on-disk cache; a config that fails there is left to the ranks,
+which exclude it with the same reason.
 
 Entries are keyed under the ``baseline`` kernel (``tuned.TunedKey.kernel``), by GPU, world size,
 shape, FP8 weights and token bucket.  An MXFP4 point runs the same FP8 GEMMs on its weights
@@ -41,12 +44,16 @@ A baseline tune sweep is a bench sweep of the baseline backend; its ``candidates
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+import concurrent.futures
+import os
+import time
+from dataclasses import astuple, dataclass, replace
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .. import tuned
 from ..errors import MegaMoEError
 from ..gpus import gpu_spec
+from ..layout import MoEShape
 from .sweep import Checker, Point, validate_sweep
 
 BACKENDS = ("torch", "torch-graph")
@@ -199,6 +206,86 @@ def plan_point(point: Point, world_size: int, gpu: str, grid: BaselineGrid):
             candidates.append(candidate)
     candidates.sort(key=lambda c: c.order)
     return PointPlan(point, point_key(point, world_size, gpu), default, candidates, excluded)
+
+
+# ---------------------------------------------------------------------------
+# Compiling ahead (launcher process, GPU machines)
+
+
+def compile_jobs(plans: Sequence[Any]) -> List[Tuple[Tuple, Tuple]]:
+    """Every distinct ``(shape, launch config)`` to compile, as plain tuples (they cross to worker
+    processes).  Triton compiles a kernel per launch config and per what it specializes on (the
+    layer's dimensions, strides and the SwiGLU clamp), never per expert count or token count, so
+    the shape keeps its hidden, intermediate, top-k and clamp and has top-k experts."""
+    jobs: Dict[Tuple[Tuple, Tuple], None] = {}
+    for plan in plans:
+        s = plan.point.shape
+        shape = (s.hidden, s.intermediate, s.num_topk, s.num_topk, "fp8", s.activation_clamp)
+        for candidate in plan.candidates:
+            jobs.setdefault((shape, astuple(candidate.launch)), None)
+    return list(jobs)
+
+
+def compile_one(shape: Tuple, launch: Tuple) -> str:
+    """Compile and load one config's two GEMMs on this process's GPU, as a rank's ``prepare``
+    does, on a one-token problem of the same dimensions; '' or why it failed."""
+    import torch
+
+    from ..baseline_fp8 import LaunchConfig, TorchFP8Backend
+    from ..problem import Problem
+    from ..quant import BLOCK, FP8_DTYPE
+    from .session import error_text
+
+    s = MoEShape(*shape)
+    H, I, E, K = s.hidden, s.intermediate, s.num_experts, s.num_topk
+    try:
+        dev = torch.device("cuda", 0)
+        ones = dict(dtype=torch.float32, device=dev)
+        problem = Problem(s, 0, 1, 1, 1, torch.zeros(1, H, device=dev).to(FP8_DTYPE),
+                          torch.ones(1, H // BLOCK, **ones), torch.arange(K, device=dev).unsqueeze(0),
+                          torch.ones(1, K, **ones), torch.zeros(E, 2 * I, H, dtype=FP8_DTYPE, device=dev),
+                          torch.ones(E, 2 * I // BLOCK, H // BLOCK, **ones),
+                          torch.zeros(E, H, I, dtype=FP8_DTYPE, device=dev),
+                          torch.ones(E, H // BLOCK, I // BLOCK, **ones))
+        TorchFP8Backend().prepare(problem, None, {"gemm": "triton", **LaunchConfig(*launch).to_config()})
+    except Exception as exc:  # reported, not raised: the ranks decide and say why
+        return error_text(exc)
+    return ""
+
+
+def _pool(workers: int) -> concurrent.futures.Executor:
+    import multiprocessing
+
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def precompile(plans: Sequence[Any], say: Callable[[str], None], *, compile_fn: Callable[[Tuple, Tuple], str] = None,
+               executor: Optional[Callable[[int], concurrent.futures.Executor]] = None,
+               workers: Optional[int] = None) -> Dict[Tuple[Tuple, Tuple], str]:
+    """Compile every planned config in parallel processes before the ranks start, so the ranks
+    load them from Triton's cache instead of compiling one after another while the GPU waits.
+    Returns why each failed job failed (the ranks exclude its candidates with the same reason).
+    A pool that cannot start is reported and skipped: the ranks then compile for themselves."""
+    jobs = compile_jobs(plans)
+    if not jobs:
+        return {}
+    workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) - 2, 16))
+    say(f"compiling {len(jobs)} Triton GEMM config(s) on {workers} process(es) (cached ones are reused)")
+    started = time.monotonic()
+    failed: Dict[Tuple[Tuple, Tuple], str] = {}
+    try:
+        with (executor or _pool)(workers) as pool:
+            for job, reason in zip(jobs, pool.map(compile_fn or compile_one, *zip(*jobs))):
+                if reason:
+                    failed[job] = reason
+    except Exception as exc:  # a broken pool costs time, not results
+        from .session import error_text
+
+        say(f"compiling ahead stopped ({error_text(exc)}); the ranks compile each config themselves")
+        return failed
+    say(f"compiled in {time.monotonic() - started:.0f} s; {len(failed)} config(s) failed (their candidates are "
+        "excluded by the ranks, with the reason)")
+    return failed
 
 
 # ---------------------------------------------------------------------------
