@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from megamoe_cli import baseline_fp8, tuned
-from megamoe_cli.baseline_fp8 import MAX_SMEM_BYTES, LaunchConfig, TorchFP8Backend, default_launch_config
+from megamoe_cli.baseline_fp8 import MAX_SMEM_BYTES, TorchFP8Backend, default_launch_config
 from megamoe_cli.bench import tune as lib
 from megamoe_cli.bench import tune_baseline as tb
 from megamoe_cli.bench.tune import EXCLUDED, OK, CandidateResult
-from megamoe_cli.bench.tune_baseline import BaselineCandidate, BaselineGrid
+from megamoe_cli.bench.tune_baseline import BaselineCandidate
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
@@ -40,7 +40,7 @@ def store(tmp_path, monkeypatch):
 
 
 def sweep(doc, backend="torch-graph"):
-    return lib.validate_tune_sweep({"name": "t", **doc}, "test", backend=backend)
+    return tb.validate_tune_sweep({"name": "t", **doc}, "test", backend=backend)
 
 
 def _args(p):
@@ -95,7 +95,7 @@ def test_candidates_are_the_default_plus_valid_grid_configs_and_exclusions_say_w
 
 
 def test_decode_points_time_few_warps_and_the_shipped_sweep_fits_its_budget():
-    sweep_file = lib.load_tune_sweep(REPO / "sweeps" / "tune_baseline.yaml", backend="torch-graph")
+    sweep_file = tb.load_tune_sweep(REPO / "sweeps" / "tune_baseline.yaml", backend="torch-graph")
     plans = lib.plan_tune(sweep_file, 1, "H200")
     # Each shape tuned once: MXFP4 points run the FP8 GEMMs of their FP8 twin.
     assert len(plans) == 15 and len({p.key for p in plans}) == 15
@@ -113,14 +113,16 @@ def test_decode_points_time_few_warps_and_the_shipped_sweep_fits_its_budget():
 
 def test_baseline_candidates_round_trip_and_ask_for_every_knob():
     c = BaselineCandidate(64, 8, (3, 4), 256, 16, is_default=True)
-    back = lib.candidate_from_dict(json.loads(json.dumps(c.to_dict())))
+    back = BaselineCandidate.from_dict(json.loads(json.dumps(c.to_dict())))
     assert back == c and isinstance(back, BaselineCandidate)
     assert c.backend_config() == {"gemm": "triton", "block_m": 64, "num_warps": 8, "num_stages": [3, 4],
                                   "l2_block_n": 256, "group_m": 16}
     r = CandidateResult(c, OK, time_us=5.0, rank_times_us=(5.0,))
-    assert CandidateResult.from_dict(json.loads(json.dumps(r.to_dict()))).candidate == c
-    with pytest.raises(MegaMoEError, match="unknown candidate kind 'other'"):
-        lib.candidate_from_dict({"kind": "other"})
+    assert CandidateResult.from_dict(json.loads(json.dumps(r.to_dict())), BaselineCandidate).candidate == c
+    # What the ranks are told to read the candidates back with.
+    from megamoe_cli.bench.session import load_attribute
+
+    assert load_attribute(f"{BaselineCandidate.__module__}:{BaselineCandidate.__qualname__}") is BaselineCandidate
 
 
 @pytest.mark.parametrize(
@@ -135,7 +137,7 @@ def test_baseline_candidates_round_trip_and_ask_for_every_knob():
 )
 def test_bad_baseline_tune_sweeps_name_the_line(body, fragments):
     with pytest.raises(MegaMoEError) as err:
-        lib.load_tune_sweep_text("name: t\nshape: {preset: small}\n" + body, "t.yaml", backend="torch-graph")
+        tb.load_tune_sweep_text("name: t\nshape: {preset: small}\n" + body, "t.yaml", backend="torch-graph")
     for fragment in fragments:
         assert fragment in str(err.value)
 

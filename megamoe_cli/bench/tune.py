@@ -66,12 +66,14 @@ On a rank, a point's problem, reference output, timing loop and L2 flush are the
 own (``bench.session``, through ``CandidateTimer``): a candidate is timed as a bench point is,
 one call per sample.
 
-The unfused baseline (``--backend torch-graph`` or ``torch``) is tuned by the same run: its
-candidates, sweeps and plans are ``bench.tune_baseline``'s (a sweep carries its backend and its
-grid, and a baseline grid plans its own points); it has nothing to build beforehand.
+The unfused baseline (``--backend torch-graph`` or ``torch``) is tuned by the same run, with
+``bench.tune_baseline``'s sweeps, candidates and grid: a sweep carries its backend and its grid;
+a grid other than ``CandidateGrid`` plans its own points and compiles ahead itself
+(``plan``, ``precompile``), and the plan names the candidates' class (``candidate_type``,
+``module:attribute``) so the ranks read them back.  This module does not import it.
 
 Imports: ``rundir``, ``session``, ``sweep`` (module level); ``launcher`` (the run),
-``envinfo``, ``results`` and ``tune_baseline`` (inside functions).  The bench worker imports this module for a
+``envinfo`` and ``results`` (inside functions).  The bench worker imports this module for a
 plan's ``tune`` section; this module does not import the worker.
 """
 
@@ -102,7 +104,7 @@ from ..kernel_source import (
 )
 from ..layout import BufferConfig, MoEShape
 from .rundir import JsonlTail, append_json
-from .session import error_text, kernel_diagnostic, load_backend, merge_errors
+from .session import error_text, kernel_diagnostic, load_attribute, load_backend, merge_errors
 from .sweep import SWEEP_KEYS, Checker, Point, parse_yaml, read_sweep_file, validate_sweep
 
 REL_ERR_LIMIT = 2e-2
@@ -184,17 +186,6 @@ class Candidate:
         return cls(**data)
 
 
-def candidate_from_dict(data: Mapping[str, Any]):
-    """A candidate of either kernel from its ``to_dict`` form (the baseline's carry their kind)."""
-    if data.get("kind") is not None:
-        from .tune_baseline import BaselineCandidate
-
-        if data["kind"] != BaselineCandidate.KIND:
-            raise MegaMoEError(f"unknown candidate kind {data['kind']!r}")
-        return BaselineCandidate.from_dict(data)
-    return Candidate.from_dict(data)
-
-
 @dataclass(frozen=True)
 class CandidateGrid:
     """The block_m x num_stages x cluster_m x num_sms product a point's candidates span (besides
@@ -234,9 +225,10 @@ class CandidateResult:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "CandidateResult":
+    def from_dict(cls, data: Mapping[str, Any], kind: type = Candidate) -> "CandidateResult":
+        """``kind``: the candidates' class (``Candidate``, or another kernel's with its interface)."""
         data = dict(data)
-        data["candidate"] = candidate_from_dict(data["candidate"])
+        data["candidate"] = kind.from_dict(data["candidate"])
         data["rank_times_us"] = tuple(data.get("rank_times_us", ()))
         for key in ("rel_err", "rel_err_layer"):
             if isinstance(data.get(key), str):
@@ -276,7 +268,7 @@ class TuneSweep:
     description: str
     source: str
     points: List[Point]
-    grid: Any = field(default_factory=CandidateGrid)  # CandidateGrid, or tune_baseline.BaselineGrid
+    grid: Any = field(default_factory=CandidateGrid)  # CandidateGrid, or a grid that plans itself
     notes: List[str] = field(default_factory=list)
     backend: str = DEFAULT_BACKEND  # the backend whose configs are tuned
 
@@ -336,14 +328,8 @@ def buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str
     return list(buckets), notes
 
 
-def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None,
-                        backend: str = DEFAULT_BACKEND) -> TuneSweep:
-    """Check a parsed tune sweep and expand it into one point per shape and bucket (of the fused
-    kernel, or with ``backend`` torch or torch-graph of the baseline: ``tune_baseline``)."""
-    from . import tune_baseline
-
-    if backend in tune_baseline.BACKENDS:
-        return tune_baseline.validate_tune_sweep(data, source, lines, backend)
+def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None) -> TuneSweep:
+    """Check a parsed tune sweep and expand it into one fused point per shape and bucket."""
     check = Checker(source, lines or {})
     doc = check.mapping(data, (), TUNE_SWEEP_KEYS)
     if "backends" in doc and doc["backends"] not in (DEFAULT_BACKEND, [DEFAULT_BACKEND]):
@@ -373,16 +359,16 @@ def check_tune_doc(check: Checker, doc: Mapping[str, Any]) -> None:
                                                 f"{doc['calls_per_sample']!r}")
 
 
-def load_tune_sweep_text(text: str, source: str = "<tune sweep>", backend: str = DEFAULT_BACKEND) -> TuneSweep:
+def load_tune_sweep_text(text: str, source: str = "<tune sweep>") -> TuneSweep:
     data, lines = parse_yaml(text, source)
     if data is None:
         raise MegaMoEError(f"{source}: the tune sweep is empty; expected a mapping with keys "
                            f"{', '.join(TUNE_SWEEP_KEYS)}")
-    return validate_tune_sweep(data, source, lines, backend)
+    return validate_tune_sweep(data, source, lines)
 
 
-def load_tune_sweep(path: Union[str, Path], backend: str = DEFAULT_BACKEND) -> TuneSweep:
-    return load_tune_sweep_text(read_sweep_file(path, "tune sweep file"), str(path), backend)
+def load_tune_sweep(path: Union[str, Path]) -> TuneSweep:
+    return load_tune_sweep_text(read_sweep_file(path, "tune sweep file"), str(path))
 
 
 def with_grid(sweep: TuneSweep, **spans: Optional[Sequence[Union[int, str]]]) -> TuneSweep:
@@ -391,10 +377,6 @@ def with_grid(sweep: TuneSweep, **spans: Optional[Sequence[Union[int, str]]]) ->
     unknown = sorted(set(spans) - set(CANDIDATE_KEYS))
     if unknown:
         raise MegaMoEError(f"unknown candidate dimensions {unknown}; expected {', '.join(CANDIDATE_KEYS)}")
-    if not isinstance(sweep.grid, CandidateGrid):
-        from . import tune_baseline
-
-        return tune_baseline.with_grid(sweep, **spans)
     given = {key: list(value) for key, value in spans.items() if value}
     if not given:
         return sweep
@@ -426,7 +408,6 @@ def tune_sweep_from_flags(
     flush_l2: Optional[bool] = None,
     timeout_s: Optional[float] = None,
     name: str = "cli",
-    backend: str = DEFAULT_BACKEND,
 ) -> TuneSweep:
     """A tune sweep from command-line values, through the same validator as files."""
     shape: Dict[str, Any] = {"preset": preset or "deepseek-v3"}
@@ -443,12 +424,10 @@ def tune_sweep_from_flags(
         doc["block_m"] = list(block_m)
     spans = (("num_stages", num_stages), ("cluster_m", cluster_m), ("num_sms", num_sms))
     candidates = {key: list(value) for key, value in spans if value}
-    optional = {"warmup": warmup, "iters": iters, "seed": seed, "flush_l2": flush_l2, "timeout_s": timeout_s}
-    doc.update({key: value for key, value in optional.items() if value is not None})
-    if backend != DEFAULT_BACKEND:
-        return with_grid(validate_tune_sweep(doc, "command-line flags", backend=backend), **candidates)
     if candidates:
         doc["candidates"] = candidates
+    optional = {"warmup": warmup, "iters": iters, "seed": seed, "flush_l2": flush_l2, "timeout_s": timeout_s}
+    doc.update({key: value for key, value in optional.items() if value is not None})
     return validate_tune_sweep(doc, "command-line flags")
 
 
@@ -759,7 +738,8 @@ def tune_point(worker, index: int, point: Point) -> Dict[str, Any]:
     from .results import STATUS_FAILED, STATUS_OK
 
     section = worker.plan["tune"]
-    candidates = [candidate_from_dict(c) for c in section["candidates"][index]]
+    kind = load_attribute(section["candidate_type"]) if "candidate_type" in section else Candidate
+    candidates = [kind.from_dict(c) for c in section["candidates"][index]]
     records = section["records"]
     timer = CandidateTimer(worker.session, point, load_backend(section.get("backend", DEFAULT_BACKEND)))
 
@@ -951,10 +931,8 @@ def run_tune(
         variants = {c.variant(p.point.shape, world_size, p.num_tokens) for p in plans for c in p.candidates}
         say(f"building {len(variants)} kernel variant(s) in parallel (cached ones are reused)")
         exclude_unbuilt(plans, build_variants(sorted(variants, key=lambda v: v.name), build))
-    elif device_kind == "cuda":  # the baseline's Triton GEMMs (on CPU ranks they are interpreted)
-        from .tune_baseline import precompile
-
-        precompile(plans, say)
+    elif device_kind == "cuda":  # e.g. the baseline's Triton GEMMs (on CPU ranks they are interpreted)
+        sweep.grid.precompile(plans, say)
 
     outcomes: Dict[int, PointOutcome] = {}
     runnable: List[int] = []
@@ -992,6 +970,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
     tail = JsonlTail(records_path)
     records: Dict[int, Dict[str, Any]] = {}
     saved = 0
+    kind = type(plans[runnable[0]].default)
 
     def read_records() -> None:
         for record in tail.read():
@@ -1009,7 +988,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
             plan_index = runnable[event.index]
             plan = plans[plan_index]
             record = records.get(event.index)
-            measured = [CandidateResult.from_dict(r) for r in record["results"]] if record else []
+            measured = [CandidateResult.from_dict(r, kind) for r in record["results"]] if record else []
             if record is not None:
                 outcome = finish_point(plan, measured, date=utc_now(), commit=commit)
             else:
@@ -1030,6 +1009,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
         "backend": backend,
         "records": str(records_path),
         "candidates": [[c.to_dict() for c in plans[i].candidates] for i in runnable],
+        "candidate_type": f"{kind.__module__}:{kind.__qualname__}",
     }}
     try:
         result = launch([plans[i].point for i in runnable], world_size, None, device=device, timeout_s=timeout_s,

@@ -40,6 +40,10 @@ A baseline tune sweep is a bench sweep of the baseline backend; its ``candidates
     candidates:
       num_stages: [3, 4]
       group_m: [8, 16]
+
+Imports: ``sweep`` and ``tune`` (module level); ``session`` (inside functions).  ``bench.tune``
+does not import this module: it reaches it through the sweep's grid (``BaselineGrid.plan``,
+``BaselineGrid.precompile``) and the plan's ``candidate_type``.
 """
 
 from __future__ import annotations
@@ -48,13 +52,14 @@ import concurrent.futures
 import os
 import time
 from dataclasses import astuple, dataclass, replace
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .. import tuned
 from ..errors import MegaMoEError
 from ..gpus import gpu_spec
 from ..layout import MoEShape
-from .sweep import Checker, Point, validate_sweep
+from .sweep import Checker, Point, parse_yaml, read_sweep_file, validate_sweep
+from .tune import EXCLUDED, TUNE_SWEEP_KEYS, CandidateResult, PointPlan, TuneSweep, buckets, check_tune_doc
 
 BACKENDS = ("torch", "torch-graph")
 GRID_KEYS = ("num_warps", "num_stages", "l2_block_n", "group_m")
@@ -81,8 +86,6 @@ class BaselineCandidate:
     l2_block_n: int = 128
     group_m: int = 8
     is_default: bool = False
-
-    KIND: ClassVar[str] = "baseline"
 
     @classmethod
     def of(cls, launch, is_default: bool = False) -> "BaselineCandidate":
@@ -118,7 +121,7 @@ class BaselineCandidate:
         return {"gemm": "triton", **self.config()}
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"kind": self.KIND, **self.config(), "is_default": self.is_default}
+        return {**self.config(), "is_default": self.is_default}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BaselineCandidate":
@@ -158,8 +161,11 @@ class BaselineGrid:
                             out.append(LaunchConfig(block_m, num_warps, stages, stages, l2_block_n, group_m))
         return out
 
-    def plan(self, points: Sequence[Point], world_size: int, gpu: str) -> List[Any]:
+    def plan(self, points: Sequence[Point], world_size: int, gpu: str) -> List[PointPlan]:
         return [plan_point(point, world_size, gpu, self) for point in points]
+
+    def precompile(self, plans: Sequence[PointPlan], say: Callable[[str], None]) -> None:
+        precompile(plans, say)
 
 
 # ---------------------------------------------------------------------------
@@ -177,10 +183,8 @@ def point_key(point: Point, world_size: int, gpu: str) -> tuned.TunedKey:
     return tuned.make_key(gpu, world_size, shape, point.num_max_tokens_per_rank, kernel=tuned.BASELINE_KERNEL)
 
 
-def plan_point(point: Point, world_size: int, gpu: str, grid: BaselineGrid):
+def plan_point(point: Point, world_size: int, gpu: str, grid: BaselineGrid) -> PointPlan:
     """The default plus the grid's launch configs, each either to measure or excluded with why."""
-    from .tune import EXCLUDED, CandidateResult, PointPlan
-
     bf = _launch_module()
     gpu_spec(gpu)
     s = point.shape
@@ -321,11 +325,10 @@ def _grid(check: Checker, doc: Mapping[str, Any], base: Optional[BaselineGrid] =
     return replace(base or BaselineGrid(), **spans)
 
 
-def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]], backend: str):
+def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None, *,
+                        backend: str) -> TuneSweep:
     """A baseline tune sweep, one point per shape and bucket (MXFP4 points whose FP8 twin is in
     the sweep are left out, with a note)."""
-    from .tune import TUNE_SWEEP_KEYS, TuneSweep, buckets, check_tune_doc
-
     if backend not in BACKENDS:
         raise MegaMoEError(f"the baseline tune measures backend {' or '.join(BACKENDS)}, got {backend!r}")
     check = Checker(source, lines or {})
@@ -352,7 +355,42 @@ def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]
     return TuneSweep(sweep.name, sweep.description, source, points, grid, notes, backend=backend)
 
 
-def with_grid(sweep, **spans: Optional[Sequence[int]]):
+def load_tune_sweep_text(text: str, source: str = "<tune sweep>", *, backend: str) -> TuneSweep:
+    data, lines = parse_yaml(text, source)
+    if data is None:
+        raise MegaMoEError(f"{source}: the tune sweep is empty; expected a mapping with keys "
+                           f"{', '.join(TUNE_SWEEP_KEYS)}")
+    return validate_tune_sweep(data, source, lines, backend=backend)
+
+
+def load_tune_sweep(path, *, backend: str) -> TuneSweep:
+    return load_tune_sweep_text(read_sweep_file(path, "tune sweep file"), str(path), backend=backend)
+
+
+def tune_sweep_from_flags(*, backend: str, num_tokens: Sequence[int], preset: Optional[str] = None,
+                          block_m: Optional[Sequence[int]] = None, num_stages: Optional[Sequence[int]] = None,
+                          cluster_m: Optional[Sequence[int]] = None, num_sms: Optional[Sequence[Any]] = None,
+                          weights: Optional[Sequence[str]] = None, timeout_s: Optional[float] = None,
+                          name: str = "cli", **values: Any) -> TuneSweep:
+    """A baseline tune sweep from command-line values (``bench.tune.tune_sweep_from_flags``'s,
+    with the baseline's candidate dimensions), through the same validator as files."""
+    shape: Dict[str, Any] = {"preset": preset or "deepseek-v3"}
+    for key in ("hidden", "intermediate", "num_experts", "num_topk", "activation_clamp"):
+        if values.get(key) is not None:
+            shape[key] = values[key]
+    if weights is not None and len(weights) == 1:
+        shape["weights"] = weights[0]
+    doc: Dict[str, Any] = {"name": name, "shape": shape, "num_tokens": list(num_tokens)}
+    if weights is not None and len(weights) > 1:
+        doc["weights"] = list(weights)
+    optional = {key: values.get(key) for key in ("warmup", "iters", "seed", "flush_l2")}
+    optional["timeout_s"] = timeout_s
+    doc.update({key: value for key, value in optional.items() if value is not None})
+    sweep = validate_tune_sweep(doc, "command-line flags", backend=backend)
+    return with_grid(sweep, block_m=block_m, num_stages=num_stages, cluster_m=cluster_m, num_sms=num_sms)
+
+
+def with_grid(sweep: TuneSweep, **spans: Optional[Sequence[int]]) -> TuneSweep:
     """``sweep`` with the candidate dimensions the flags give replaced (block_m, num_stages)."""
     extra = sorted(key for key, value in spans.items() if value and key not in ("block_m", "num_stages"))
     if extra:

@@ -121,13 +121,17 @@ def tune(backend, sweep_file, preset, hidden, intermediate, num_experts, num_top
         raise click.UsageError("--gpu only plans (--dry-run); a tune run keys its entries by the GPU it runs on")
 
     spans = {name: ctx.params[name] for name in CANDIDATE_FLAGS}
+    sweeps, by_backend = library, {}
+    if backend != "fused":
+        from ..bench import tune_baseline as sweeps
+
+        by_backend = {"backend": backend}
     if sweep_file:
-        sweep = library.with_grid(library.load_tune_sweep(sweep_file, backend), **spans)
+        sweep = sweeps.with_grid(sweeps.load_tune_sweep(sweep_file, **by_backend), **spans)
     else:
         values = {name: given.get(name) for name in POINT_FLAGS if name not in ("num_tokens", "point_timeout")}
-        sweep = library.tune_sweep_from_flags(num_tokens=given.get("num_tokens", DEFAULT_TOKENS),
-                                              timeout_s=given.get("point_timeout"), backend=backend, **values,
-                                              **spans)
+        sweep = sweeps.tune_sweep_from_flags(num_tokens=given.get("num_tokens", DEFAULT_TOKENS),
+                                             timeout_s=given.get("point_timeout"), **by_backend, **values, **spans)
     target = Path(path).expanduser() if path else tuned.default_path()
     if not dry_run:
         _check_store(target, named_by="--config-file" if path else None)
