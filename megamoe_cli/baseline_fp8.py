@@ -87,6 +87,7 @@ L2_BLOCK_NS = (64, 128, 256)
 L2_BLOCK_N = 128
 GROUP_MS = (1, 2, 4, 8, 16, 32)
 GROUP_M = 8
+SHIPPED_STORE_NAME = "megamoe_cli/data/tuned_baseline.json"
 # sm_90's opt-in shared memory per block (the fused kernel's budget too).
 MAX_SMEM_BYTES = 232448
 
@@ -232,7 +233,13 @@ def resolve_launch(problem: Problem, config: Mapping[str, Any], gpu: Optional[st
     except MegaMoEError as exc:
         raise MegaMoEError(f"tuned config {path}, entry {stored_key}: {exc}") from None
     return _launch_over(base, given), {"config_source": "tuned" + suffix, "tuned_entry": str(stored_key),
-                                        "tuned_store": str(path)}
+                                        "tuned_store": store_name(path)}
+
+
+def store_name(path: os.PathLike) -> str:
+    """How rows name a store: the shipped one by its place in the package (the same on every
+    machine), any other by its path."""
+    return SHIPPED_STORE_NAME if Path(path) == tuned.SHIPPED_BASELINE_PATH else str(path)
 
 
 def _gpu_name(device: torch.device) -> Optional[str]:

@@ -241,7 +241,8 @@ def test_the_user_store_wins_over_the_shipped_one_and_mxfp4_reads_the_fp8_key(st
     tuned.merge_and_save([entry("H200", 32, {"block_m": 64, "num_warps": 4, "num_stages": 4}, shape=SHAPE)], shipped)
     fp4 = MoEShape(hidden=256, intermediate=128, num_experts=8, num_topk=3, weights="fp4")
     _, runner = _runner(monkeypatch, {"gemm": "triton"}, shape=fp4)
-    assert (runner.config["config_source"], runner.config["tuned_store"]) == ("tuned", str(shipped))
+    assert runner.config["config_source"] == "tuned"
+    assert runner.config["tuned_store"] == "megamoe_cli/data/tuned_baseline.json"  # the same on every machine
     assert runner.config["block_m"] == 64 and runner.config["weights"].startswith("fp4 converted once")
     tuned.merge_and_save([entry("H200", 32, {"block_m": 16, "num_warps": 8, "num_stages": 2}, shape=SHAPE)])
     _, runner = _runner(monkeypatch, {"gemm": "triton"}, shape=fp4)

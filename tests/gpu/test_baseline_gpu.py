@@ -286,7 +286,7 @@ def test_the_shipped_tuned_configs_run_and_match_the_reference(group, tmp_path, 
         problem = make_problem(shape, rank, world, k["token_bucket"], k["token_bucket"], "cuda", shared_seed(group))
         runner = TorchFP8Backend(graph=is_nccl(group)).prepare(problem, group, {})
         assert runner.config["config_source"] == "tuned", runner.config
-        assert runner.config["tuned_store"] == str(tuned.SHIPPED_BASELINE_PATH)
+        assert runner.config["tuned_store"] == "megamoe_cli/data/tuned_baseline.json"
         assert {key: runner.config[key] for key in entry["config"]} == entry["config"]
         check(problem, group, runner().clone(), f"shipped {runner.config['tuned_entry']}")
 
