@@ -58,8 +58,10 @@ def _rel(a, b):
 def test_block_m_candidates_bracket_the_expected_rows_per_expert():
     assert tb.plausible_block_ms(0.03) == (16, 32)   # decode: 1 token x top-8 over 256 experts
     assert tb.plausible_block_ms(16) == (16, 32)
-    assert tb.plausible_block_ms(17) == (16, 32)
-    assert tb.plausible_block_ms(33) == (32, 64)
+    assert tb.plausible_block_ms(17) == (16, 32, 64)
+    assert tb.plausible_block_ms(32) == (16, 32, 64)  # 1024 tokens x top-8 over 256 experts
+    assert tb.plausible_block_ms(33) == (32, 64, 128)
+    assert tb.plausible_block_ms(100) == (64, 128)
     assert tb.plausible_block_ms(256) == (64, 128)  # prefill: 8192 tokens x top-8 over 256 experts
 
 
@@ -104,11 +106,14 @@ def test_decode_points_time_few_warps_and_the_shipped_sweep_fits_its_budget():
     assert {p.point.backend for p in plans} == {"torch-graph"}
     counts = {(p.point.shape_label(), p.key.token_bucket): len(p.candidates) for p in plans}
     assert counts[("deepseek-v3", 1)] == 9 and counts[("deepseek-v3", 8192)] == 17
-    assert sum(counts.values()) == 159
+    assert counts[("deepseek-v3", 1024)] == 17  # 16 and 32 x 4 stages, 64 x 2 warps x 4 stages, the default
+    assert counts[("seed-default", 1024)] == 9  # 16 expected rows: 16 fits them
+    assert sum(counts.values()) == 175  # the count sweeps/tune_baseline.yaml states
     for plan in plans:
         if plan.key.token_bucket <= 128:
             assert {c.num_warps for c in plan.candidates} == {4}
             assert {c.block_m for c in plan.candidates} == {16, 32}
+    assert "(175 over the 15 points)" in " ".join(sweep_file.description.split())
 
 
 def test_baseline_candidates_round_trip_and_ask_for_every_knob():
@@ -302,8 +307,9 @@ def test_dry_run_of_the_shipped_sweep_lists_baseline_candidates(store):
     first = points[0]["candidates"]
     assert [(c["config"]["block_m"], c["config"]["num_stages"]) for c in first] == [(16, [3, 4]), (16, [4, 4]),
                                                                                     (32, [4, 4])]
-    # 12 decode points: the default, 16 and 32 at depth 4; 3 prefill ones: the default, 64 and 128 x 4 and 8 warps.
-    assert "dry run: 51 candidate(s) over 15 point(s)" in result.stderr
+    # 10 points below 17 rows per expert: the default, 16 and 32 at depth 4; DeepSeek-V3 and V4-Flash at 1024
+    # tokens: those and 64 x 4 and 8 warps; 3 prefill ones: the default, 64 and 128 x 4 and 8 warps.
+    assert "dry run: 55 candidate(s) over 15 point(s)" in result.stderr
     assert "warps" in result.stderr and "cluster" not in result.stderr
 
 

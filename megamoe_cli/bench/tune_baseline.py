@@ -21,8 +21,10 @@ Candidates: the default (``baseline_fp8.default_launch_config``, always, so the 
 measured in the same run) plus the grid.  A grid dimension left out of the sweep is narrowed by
 what the point's expected rows per expert make plausible, so a sweep of many points stays short:
 
-* ``block_m``: the smallest block that holds the expected rows per expert and the next smaller
-  one (16 and 32 below 16 rows: decode; 64 and 128 from 65 rows: prefill);
+* ``block_m``: the smallest block that holds the expected rows per expert and its neighbours (16
+  and 32 up to 16 rows: decode; 64 and 128 from 65 rows: prefill; routing spreads the rows, so
+  the next larger block can read each expert's weights once where the fitting one reads them
+  twice);
 * ``num_warps``: 4, and 8 too from block_m 64 (two warpgroups need 64 rows to share);
 * ``num_stages``: 2-5, one depth for both GEMMs;
 * ``l2_block_n`` 128 and ``group_m`` 8 (the defaults) unless the sweep spans them.
@@ -130,12 +132,12 @@ class BaselineCandidate:
 
 
 def plausible_block_ms(rows_per_expert: float) -> Tuple[int, ...]:
-    """The two pool block sizes worth timing for this many expected rows per expert: the smallest
-    that holds them (128 above 128 rows) and the next smaller (16 and 32 below 16 rows)."""
+    """The pool block sizes worth timing for this many expected rows per expert: the smallest
+    that holds them (128 above 128 rows) and its neighbours."""
     block_ms = _launch_module().BLOCK_MS
     fits = next((b for b in block_ms if rows_per_expert <= b), block_ms[-1])
     i = block_ms.index(fits)
-    return block_ms[:2] if i == 0 else block_ms[i - 1 : i + 1]
+    return block_ms[max(i - 1, 0) : i + 2]
 
 
 @dataclass(frozen=True)
