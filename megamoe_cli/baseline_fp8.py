@@ -65,6 +65,7 @@ import torch
 
 from . import tuned
 from .errors import MegaMoEError
+from .kernel_source import MAX_SMEM_BYTES  # sm_90's opt-in shared memory per block
 from .problem import Problem
 from .quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
 from .reference import resolve_group, swiglu
@@ -87,9 +88,6 @@ L2_BLOCK_NS = (64, 128, 256)
 L2_BLOCK_N = 128
 GROUP_MS = (1, 2, 4, 8, 16, 32)
 GROUP_M = 8
-SHIPPED_STORE_NAME = "megamoe_cli/data/tuned_baseline.json"
-# sm_90's opt-in shared memory per block (the fused kernel's budget too).
-MAX_SMEM_BYTES = 232448
 
 
 def default_block_m(world_size: int, num_max_tokens_per_rank: int, num_topk: int, num_experts: int) -> int:
@@ -239,7 +237,7 @@ def resolve_launch(problem: Problem, config: Mapping[str, Any], gpu: Optional[st
 def store_name(path: os.PathLike) -> str:
     """How rows name a store: the shipped one by its place in the package (the same on every
     machine), any other by its path."""
-    return SHIPPED_STORE_NAME if Path(path) == tuned.SHIPPED_BASELINE_PATH else str(path)
+    return tuned.SHIPPED_BASELINE_NAME if Path(path) == tuned.SHIPPED_BASELINE_PATH else str(path)
 
 
 def _gpu_name(device: torch.device) -> Optional[str]:

@@ -46,7 +46,8 @@ FUSED_KERNEL = "fused"
 BASELINE_KERNEL = "baseline"
 # The baseline's measured launch configs shipped with the package (`megamoe tune --backend
 # torch-graph --config-file` this file to add to it).
-SHIPPED_BASELINE_PATH = Path(__file__).resolve().parent / "data" / "tuned_baseline.json"
+SHIPPED_BASELINE_NAME = "megamoe_cli/data/tuned_baseline.json"
+SHIPPED_BASELINE_PATH = Path(__file__).resolve().parent.parent / SHIPPED_BASELINE_NAME
 
 
 def default_path() -> Path:
