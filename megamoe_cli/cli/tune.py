@@ -81,8 +81,8 @@ class SmsList(click.ParamType):
 @click.option("--gpu", help="With --dry-run: the GPU model to plan for (default: the visible GPU).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the saved entries (with --dry-run: the candidates) as JSON on stdout.")
-def tune(backend, sweep_file, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens,
-         block_m, num_stages, cluster_m,
+def tune(backend, sweep_file, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp,
+         num_tokens, block_m, num_stages, cluster_m,
          num_sms, warmup, iters, seed, flush_l2, point_timeout, ranks, run_timeout, path, dry_run, gpu, as_json):
     """Find the fastest kernel config per shape and token bucket and save it for the runtime.
 
@@ -239,9 +239,9 @@ def _entry_table(entries, target):
         table.add_column(header, justify=justify, overflow="fold")
     for entry in entries:
         key = entry["key"]
-        kernel = key.get("kernel", "fused")
+        kernel = "" if key.get("kernel", "fused") == "fused" else key["kernel"] + " "
         table.add_row(
-            f"{'' if kernel == 'fused' else kernel + ' '}{key['gpu']} ws{key['world_size']} h{key['hidden']} i{key['intermediate']} e{key['num_experts']} "
+            f"{kernel}{key['gpu']} ws{key['world_size']} h{key['hidden']} i{key['intermediate']} e{key['num_experts']} "
             f"k{key['num_topk']}{'' if key.get('weights', 'fp8') == 'fp8' else ' w' + key['weights']} "
             f"tokens<={key['token_bucket']}",
             json.dumps(entry["config"], sort_keys=True),
