@@ -413,3 +413,22 @@ def test_compiling_ahead_runs_in_spawned_processes_and_never_raises(monkeypatch)
     assert tb.precompile(plans, said.append, executor=broken_pool) == {}
     assert said[-1] == ("compiling ahead stopped (OSError: cannot start processes); the ranks compile each config "
                         "themselves")
+
+
+def test_run_tune_compiles_ahead_on_gpus_only_and_tells_the_ranks_the_candidate_class(store, monkeypatch, tmp_path):
+    from megamoe_cli.bench.launcher import BenchResult
+
+    compiled, launched = [], []
+    monkeypatch.setattr(tb, "precompile", lambda plans, say: compiled.append([p.key.token_bucket for p in plans]))
+    monkeypatch.setattr(lib, "_target", lambda device, world_size, gpu, dry_run: (device, 1, "H200"))
+
+    def launch(points, nproc, out_path, *, device, timeout_s, on_event, env, plan_extra, run_root):
+        launched.append((device, plan_extra["tune"]["candidate_type"], len(plan_extra["tune"]["candidates"])))
+        return BenchResult("ok", "done", [], device, nproc, "run", None)
+
+    plans_sweep = sweep({"shape": {"preset": "small"}, "num_tokens": [16, 1024], "candidates": {"num_stages": [3]}})
+    for device in ("cuda", "cpu"):
+        lib.run_tune(plans_sweep, device=device, path=store, launch=launch, run_root=tmp_path)
+    assert compiled == [[16, 1024]]  # once, on the GPU machine, before the ranks start
+    kind = "megamoe_cli.bench.tune_baseline:BaselineCandidate"
+    assert launched == [("cuda", kind, 2), ("cpu", kind, 2)]
