@@ -38,6 +38,18 @@ GEMMs (config key ``gemm``):
 candidate through it: ``MEGAMOE_TORCH_GEMM=scaled_mm megamoe bench --backend torch``); rows
 record the GEMM that ran in their config.
 
+Launch configs of the ``triton`` GEMMs (``LaunchConfig``: block_m, num_warps, the L1 and L2
+pipeline depths, L2's output tile width ``l2_block_n`` and the launch-order grouping ``group_m``)
+come from, key by key: the config the caller gives; else the tuned store
+(``tuned.lookup_nearest`` under the ``baseline`` kernel: the user's store, then the one shipped
+in ``megamoe_cli/data``, written by ``megamoe tune --backend torch-graph``), keyed by the GPU,
+world size, shape, FP8 weights (MXFP4 layers run these GEMMs on their converted weights) and
+the nearest token bucket of ``num_max_tokens_per_rank``; else ``default_launch_config``.  Rows
+record which in ``config_source`` (``given``, ``tuned``, ``default``, or ``tuned+given`` /
+``default+given`` for a partial config), with the entry (``tuned_entry``, ``tuned_store``) or why
+there was none (``config_note``).  ``prepare`` compiles and loads both GEMMs for the config, so one
+the GPU cannot run (shared memory, registers, a failed compile) is refused there, in one line.
+
 ``triton`` runs on CPU tensors too under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 ``megamoe_cli.baseline_triton`` is imported), which is how the CPU tests check the kernels.
 """
@@ -46,11 +58,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Tuple
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from . import tuned
 from .errors import MegaMoEError
+from .kernel_source import MAX_SMEM_BYTES  # sm_90's opt-in shared memory per block
 from .problem import Problem
 from .quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
 from .reference import resolve_group, swiglu
@@ -59,12 +74,20 @@ from .weight_layout import mxfp4_as_fp8_blocks
 GEMMS = ("triton", "scaled_grouped_mm", "scaled_mm", "dequant")
 # GEMMs whose call reads nothing on the host, so the layer can be captured into a CUDA graph.
 CAPTURABLE_GEMMS = ("triton", "scaled_grouped_mm")
-CONFIG_KEYS = ("gemm", "block_m", "num_warps", "num_stages")
+# The Triton GEMMs' launch knobs: what a tuned entry holds.
+LAUNCH_KEYS = ("block_m", "num_warps", "num_stages", "l2_block_n", "group_m")
+CONFIG_KEYS = ("gemm",) + LAUNCH_KEYS
 # The GEMM to run when the config names none (the config's own key wins).
 ENV_GEMM = "MEGAMOE_TORCH_GEMM"
 BLOCK_MS = (16, 32, 64, 128)
-# The L2 GEMM's output tile width (the L1 GEMM's is one scale block of activations, 128).
+NUM_WARPS = (4, 8)
+NUM_STAGES = (2, 3, 4, 5, 6)
+# The L2 GEMM's output tile width (the L1 GEMM's is one scale block of activations, 128): a
+# power of two that the 128-channel weight scale blocks tile whole.
+L2_BLOCK_NS = (64, 128, 256)
 L2_BLOCK_N = 128
+GROUP_MS = (1, 2, 4, 8, 16, 32)
+GROUP_M = 8
 
 
 def default_block_m(world_size: int, num_max_tokens_per_rank: int, num_topk: int, num_experts: int) -> int:
@@ -82,6 +105,144 @@ def default_launch(block_m: int) -> Tuple[int, int, int]:
     """``(num_warps, L1 stages, L2 stages)``: two warpgroups for 128-row tiles; L1 loads two
     weight tiles (gate and up) per K step, so it keeps one stage fewer in shared memory."""
     return (8 if block_m == 128 else 4), 3, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """One launch config of the Triton GEMMs: pool block rows, warps per program, the L1 and L2
+    software-pipeline depths, L2's output tile width and how many row blocks share a weight
+    tile in launch order."""
+
+    block_m: int
+    num_warps: int
+    l1_stages: int
+    l2_stages: int
+    l2_block_n: int = L2_BLOCK_N
+    group_m: int = GROUP_M
+
+    def to_config(self) -> Dict[str, Any]:
+        """The form configs, rows and the tuned store use (``num_stages`` as ``[L1, L2]``)."""
+        return {"block_m": self.block_m, "num_warps": self.num_warps,
+                "num_stages": [self.l1_stages, self.l2_stages], "l2_block_n": self.l2_block_n,
+                "group_m": self.group_m}
+
+    @property
+    def label(self) -> str:
+        stages = (str(self.l1_stages) if self.l1_stages == self.l2_stages
+                  else f"{self.l1_stages}/{self.l2_stages}")
+        return (f"block_m={self.block_m} num_warps={self.num_warps} num_stages={stages} "
+                f"l2_block_n={self.l2_block_n} group_m={self.group_m}")
+
+    def smem_floor_bytes(self) -> int:
+        """Shared memory the deeper of the two GEMMs' pipelines needs at the least: an FP8 A
+        tile and its weight tiles (L1: gate and up) in every stage but the one being consumed.
+        Triton may need more (its epilogue's layout conversions), which loading it finds."""
+        l1 = (self.l1_stages - 1) * (self.block_m * BLOCK + 2 * BLOCK * BLOCK)
+        l2 = (self.l2_stages - 1) * (self.block_m * BLOCK + BLOCK * self.l2_block_n)
+        return max(l1, l2)
+
+    def problem(self, hidden: int) -> str:
+        """Why this config cannot run at a layer of this ``hidden`` ('' when it may)."""
+        if hidden % self.l2_block_n:
+            return f"l2_block_n={self.l2_block_n} does not divide hidden={hidden}"
+        need = self.smem_floor_bytes()
+        if need > MAX_SMEM_BYTES:
+            return (f"its pipelines need at least {need} bytes of shared memory, more than the "
+                    f"{MAX_SMEM_BYTES} a Hopper block can have")
+        return ""
+
+
+def default_launch_config(world_size: int, num_max_tokens_per_rank: int, num_topk: int,
+                          num_experts: int) -> LaunchConfig:
+    """The launch config without a tuned entry: :func:`default_block_m` and :func:`default_launch`."""
+    block_m = default_block_m(world_size, num_max_tokens_per_rank, num_topk, num_experts)
+    num_warps, l1_stages, l2_stages = default_launch(block_m)
+    return LaunchConfig(block_m, num_warps, l1_stages, l2_stages)
+
+
+def _launch_over(base: LaunchConfig, config: Mapping[str, Any]) -> LaunchConfig:
+    """``base`` with the launch keys ``config`` gives, each checked (MegaMoEError names the key)."""
+    block_m = _int_key("block_m", config, BLOCK_MS, base.block_m)
+    num_warps = _int_key("num_warps", config, NUM_WARPS, base.num_warps)
+    l1_stages, l2_stages = base.l1_stages, base.l2_stages
+    if "num_stages" in config:
+        value = config["num_stages"]
+        if isinstance(value, (list, tuple)):
+            if len(value) != 2:
+                raise MegaMoEError(f"num_stages must be one depth or [L1, L2], got {value!r}")
+            l1_stages = _int_key("num_stages", {"num_stages": value[0]}, NUM_STAGES, 0)
+            l2_stages = _int_key("num_stages", {"num_stages": value[1]}, NUM_STAGES, 0)
+        else:
+            l1_stages = l2_stages = _int_key("num_stages", config, NUM_STAGES, 0)
+    l2_block_n = _int_key("l2_block_n", config, L2_BLOCK_NS, base.l2_block_n)
+    group_m = _int_key("group_m", config, GROUP_MS, base.group_m)
+    return LaunchConfig(block_m, num_warps, l1_stages, l2_stages, l2_block_n, group_m)
+
+
+def baseline_stores() -> Tuple[Path, ...]:
+    """The tuned stores the baseline reads, first hit wins: the user's, then the shipped one."""
+    user = tuned.default_path()
+    shipped = tuned.SHIPPED_BASELINE_PATH
+    return (user,) if user.resolve() == shipped.resolve() else (user, shipped)
+
+
+def tuned_key(problem: Problem, gpu: str) -> tuned.TunedKey:
+    """The key the baseline looks its launch config up by: FP8 weights whatever the layer's
+    format, since an MXFP4 layer runs the same FP8 GEMMs on its weights converted once."""
+    shape = dataclasses.replace(problem.shape, weights="fp8")
+    return tuned.make_key(gpu, problem.world_size, shape, problem.num_max_tokens_per_rank,
+                          kernel=tuned.BASELINE_KERNEL)
+
+
+def resolve_launch(problem: Problem, config: Mapping[str, Any], gpu: Optional[str],
+                   stores: Optional[Sequence[os.PathLike]] = None) -> Tuple[LaunchConfig, Dict[str, Any]]:
+    """``(launch config, what the row records about where it came from)`` for ``problem`` (its
+    weights FP8) on ``gpu`` (None: no GPU to key a tuned entry by).  Keys ``config`` gives win,
+    then the nearest-bucket tuned entry of the first store in ``stores`` that has one
+    (default :func:`baseline_stores`), then :func:`default_launch_config`."""
+    s = problem.shape
+    default = default_launch_config(problem.world_size, problem.num_max_tokens_per_rank, s.num_topk, s.num_experts)
+    given = {key: config[key] for key in LAUNCH_KEYS if key in config}
+    if {"block_m", "num_warps", "num_stages"} <= set(given):
+        return _launch_over(default, given), {"config_source": "given"}
+    found, why_none = None, ""
+    if gpu is None:
+        why_none = "no GPU to key a tuned entry by"
+    else:
+        try:
+            key = tuned_key(problem, gpu)
+        except MegaMoEError as exc:  # a GPU the tuned store does not know
+            key, why_none = None, str(exc)
+        if key is not None:
+            paths = [Path(p) for p in (stores if stores is not None else baseline_stores())]
+            for path in paths:
+                hit = tuned.lookup_nearest(key, path)
+                if hit is not None:
+                    found = (path, hit[0], hit[1])
+                    break
+            else:
+                why_none = f"no tuned entry for {key} in {' or '.join(str(p) for p in paths)}"
+    suffix = "+given" if given else ""
+    if found is None:
+        return _launch_over(default, given), {"config_source": "default" + suffix, "config_note": why_none}
+    path, stored_key, entry = found
+    try:
+        base = _launch_over(default, {k: v for k, v in entry.items() if k in LAUNCH_KEYS})
+    except MegaMoEError as exc:
+        raise MegaMoEError(f"tuned config {path}, entry {stored_key}: {exc}") from None
+    return _launch_over(base, given), {"config_source": "tuned" + suffix, "tuned_entry": str(stored_key),
+                                        "tuned_store": store_name(path)}
+
+
+def store_name(path: os.PathLike) -> str:
+    """How rows name a store: the shipped one by its place in the package (the same on every
+    machine), any other by its path."""
+    return tuned.SHIPPED_BASELINE_NAME if Path(path) == tuned.SHIPPED_BASELINE_PATH else str(path)
+
+
+def _gpu_name(device: torch.device) -> Optional[str]:
+    """The GPU a tuned entry is keyed by (None off CUDA)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def _triton_kernels():
@@ -177,15 +338,16 @@ def fp8_weights_of(problem: Problem) -> Tuple[Problem, Optional[str]]:
 
 
 class _Runner:
-    def __init__(self, problem: Problem, group, gemm: str, block_m: int, num_warps: int,
-                 stages: Tuple[int, int], graph: bool, note: Optional[str]):
+    def __init__(self, problem: Problem, group, gemm: str, launch: LaunchConfig, source: Dict[str, Any],
+                 graph: bool, note: Optional[str]):
         self.clamp = problem.shape.activation_clamp
         problem, weights_note = fp8_weights_of(problem)
         self.problem = problem
         self.group = group
         self.gemm = gemm
         self.graph = graph
-        self.num_warps, self.stages = num_warps, stages
+        self.launch = launch
+        block_m = launch.block_m
         L = self.layout = self._make_layout(problem, block_m)
         dev = problem.device
         self.kernels = _triton_kernels()[0] if (gemm != "dequant") else None
@@ -199,7 +361,8 @@ class _Runner:
             "graph": graph,
         }
         if gemm == "triton":
-            self.config.update(num_warps=num_warps, num_stages=list(stages))
+            self.config.update(launch.to_config())
+        self.config.update(source)
         if note:
             self.config["gemm_fallback_reason"] = note
         if weights_note:
@@ -343,14 +506,22 @@ class _Runner:
 
     # -- expert GEMMs ----------------------------------------------------------
 
-    def _experts_triton(self, block_expert, seg_end, counts) -> None:
-        L, k, p = self.layout, self.kernels, self.problem
+    def _experts_triton(self, block_expert, seg_end, counts, compile_only: bool = False):
+        L, k, p, c = self.layout, self.kernels, self.problem, self.launch
         x, x_sf, weight = self._recv_views()
-        k.grouped_gemm_swiglu(x, x_sf, self.pool_src, weight, p.w1, p.w1_sf, block_expert, self.act,
-                              self.act_sf, block_m=L.block_m, num_warps=self.num_warps, num_stages=self.stages[0],
-                              activation_clamp=self.clamp)
-        k.grouped_gemm(self.act, self.act_sf, p.w2, p.w2_sf, block_expert, self.cout, self.pool_src, L.rows,
-                       block_m=L.block_m, block_n=L2_BLOCK_N, num_warps=self.num_warps, num_stages=self.stages[1])
+        l1 = k.grouped_gemm_swiglu(x, x_sf, self.pool_src, weight, p.w1, p.w1_sf, block_expert, self.act,
+                                   self.act_sf, block_m=c.block_m, num_warps=c.num_warps, num_stages=c.l1_stages,
+                                   group_m=c.group_m, activation_clamp=self.clamp, compile_only=compile_only)
+        l2 = k.grouped_gemm(self.act, self.act_sf, p.w2, p.w2_sf, block_expert, self.cout, self.pool_src, L.rows,
+                            block_m=c.block_m, block_n=c.l2_block_n, num_warps=c.num_warps,
+                            num_stages=c.l2_stages, group_m=c.group_m, compile_only=compile_only)
+        return l1, l2
+
+    def compile(self) -> None:
+        """Compile and load both Triton GEMMs for this launch config, launching nothing (CUDA only:
+        the interpreter compiles nothing)."""
+        if self.gemm == "triton" and self.problem.device.type == "cuda":
+            self._experts_triton(self.block_expert, None, None, compile_only=True)
 
     def _experts_scaled_grouped_mm(self, block_expert, seg_end, counts) -> None:
         L, k = self.layout, self.kernels
@@ -437,8 +608,10 @@ class TorchFP8Backend:
     """Backends ``torch`` (eager) and ``torch-graph`` (``graph=True``: the call captured into a CUDA
     graph after one eager call, then replayed); see the module docstring.
 
-    ``config`` may hold ``gemm`` (``auto`` or one of ``GEMMS``), ``block_m`` (16, 32, 64, 128; default
-    from :func:`default_block_m`), ``num_warps`` (4, 8) and ``num_stages`` (2-6) for the Triton GEMMs.
+    ``config`` may hold ``gemm`` (``auto`` or one of ``GEMMS``) and the Triton GEMMs' launch keys:
+    ``block_m`` (16, 32, 64, 128), ``num_warps`` (4, 8), ``num_stages`` (2-6, or ``[L1, L2]``),
+    ``l2_block_n`` (64, 128, 256) and ``group_m``; keys left out come from the tuned store or the
+    defaults (module docstring).  Every GEMM uses ``block_m`` (the pool's block rows).
     """
 
     def __init__(self, graph: bool = False):
@@ -458,19 +631,21 @@ class TorchFP8Backend:
                 source = "gemm" if "gemm" in config else f"${ENV_GEMM}"
                 raise MegaMoEError(f"{source} must be one of auto, {', '.join(GEMMS)}, got {gemm!r}")
             s = problem.shape
-            block_m = _int_key("block_m", config, BLOCK_MS,
-                               default_block_m(problem.world_size, problem.num_max_tokens_per_rank,
-                                               s.num_topk, s.num_experts))
-            num_warps, l1_stages, l2_stages = default_launch(block_m)
-            num_warps = _int_key("num_warps", config, (4, 8), num_warps)
-            if "num_stages" in config:
-                l1_stages = l2_stages = _int_key("num_stages", config, (2, 3, 4, 5, 6), l1_stages)
+            # Every key is checked, whatever the store then fills in.
+            _launch_over(default_launch_config(1, 1, 1, 1), config)
         except MegaMoEError as err:
             raise MegaMoEError(f"backend {self.name!r}: {err}") from None
         problem.validate()
         group = resolve_group(problem, group)
         dev = problem.device
         gemm, note = self._choose_gemm(gemm, dev)
+        try:
+            launch, source = resolve_launch(problem, config, _gpu_name(dev) if gemm == "triton" else None)
+        except MegaMoEError as err:
+            raise MegaMoEError(f"backend {self.name!r}: {err}") from None
+        if gemm != "triton":
+            source = {k: v for k, v in source.items() if k == "config_source"}
+            source["config_note"] = f"gemm={gemm} takes block_m only; the tuned store configures the triton GEMMs"
         if self.graph:
             if dev.type != "cuda":
                 raise MegaMoEError(f"backend {self.name!r} needs CUDA (CUDA graphs), got device {dev}")
@@ -484,12 +659,24 @@ class TorchFP8Backend:
                     f"backend {self.name!r} captures its all-to-alls, which needs an NCCL group, got "
                     f"{_backend(group)}"
                 )
-        if s.intermediate % BLOCK or s.hidden % L2_BLOCK_N:
+        if s.intermediate % BLOCK or s.hidden % BLOCK:
             raise MegaMoEError(
                 f"backend {self.name!r} needs hidden and intermediate multiples of {BLOCK}, got "
                 f"{s.hidden} and {s.intermediate}"
             )
-        return _Runner(problem, group, gemm, block_m, num_warps, (l1_stages, l2_stages), self.graph, note)
+        if gemm == "triton":
+            why = launch.problem(s.hidden)
+            if why:
+                raise MegaMoEError(f"backend {self.name!r}: launch config {launch.label} ({source['config_source']}) "
+                                   f"cannot run: {why}")
+        runner = _Runner(problem, group, gemm, launch, source, self.graph, note)
+        try:
+            runner.compile()
+        except Exception as exc:  # whatever Triton raises for a config this GPU cannot run
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise MegaMoEError(f"backend {self.name!r}: launch config {launch.label} ({source['config_source']}) "
+                               f"does not compile or load here: {type(exc).__name__}: {first}") from None
+        return runner
 
     def _choose_gemm(self, gemm: str, device: torch.device) -> Tuple[str, Optional[str]]:
         """The GEMM to run and, when ``auto`` fell back, why."""

@@ -37,7 +37,8 @@ from .quant import AMAX_FLOOR, BLOCK, FP8_MAX
 
 # The K step and the width of one requantized activation block: the recipe's scale block.
 BLOCK_K = BLOCK
-# Blocks of rows of one weight tile reuse it while it is in L2 (grouped launch order).
+# Blocks of rows of one weight tile reuse it while it is in L2 (grouped launch order); the
+# default of the ``group_m`` launch knob.
 GROUP_M = 8
 # Triton decides at decoration time whether a kernel is compiled or interpreted.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -78,7 +79,9 @@ def _quantize_rows(act, FLOOR: tl.constexpr, QMAX: tl.constexpr):
     return q, sf
 
 
-@triton.jit
+# The pool's block count and the rows dropped change with every problem size: left unspecialized,
+# one compiled kernel serves them all (a tune or a sweep compiles once per launch config).
+@triton.jit(do_not_specialize=["num_blocks", "out_skip"])
 def _grouped_gemm_kernel(
     a_ptr, stride_am,           # FP8 A rows
     a_sf_ptr, stride_asm,       # FP32 A scales, one per row per 128 K
@@ -247,44 +250,58 @@ def _grid_size(num_blocks: int, n: int, block_n: int) -> int:
     return num_blocks * (n // block_n)
 
 
+def _launch(grid: int, args: tuple, compile_only: bool, **options):
+    """Launch the GEMM kernel, or with ``compile_only`` compile it for these arguments and load it
+    (no launch), so a launch config the GPU cannot run fails here, before any call is timed."""
+    if not compile_only:
+        _grouped_gemm_kernel[(grid,)](*args, **options)
+        return None
+    compiled = _grouped_gemm_kernel.warmup(*args, grid=(grid,), **options)
+    # Loading checks the shared memory the kernel needs against the device's limit.
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+    return compiled
+
+
 def grouped_gemm_swiglu(
     a: torch.Tensor, a_sf: torch.Tensor, a_rows: torch.Tensor, weight: torch.Tensor,
     w1: torch.Tensor, w1_sf: torch.Tensor, block_expert: torch.Tensor,
     act: torch.Tensor, act_sf: torch.Tensor, *, block_m: int, num_warps: int, num_stages: int,
-    activation_clamp: float = 0.0,
-) -> None:
+    group_m: int = GROUP_M, activation_clamp: float = 0.0, compile_only: bool = False,
+):
     """L1 for every pool row ``p``: A row ``a_rows[p]`` of ``a`` (FP8, row stride ``a.stride(0)``)
     with scales ``a_sf[a_rows[p]]`` and routing weight ``weight[a_rows[p]]`` through expert
     ``block_expert[p // block_m]``'s ``w1`` ([E, 2I, H]); writes ``act [pool, I]`` FP8 and
-    ``act_sf [pool, I/128]``."""
+    ``act_sf [pool, I/128]``.  ``compile_only``: compile and load the kernel, launch nothing."""
     intermediate, hidden = w1.shape[1] // 2, w1.shape[2]
     num_blocks = block_expert.shape[0]
-    _grouped_gemm_kernel[(_grid_size(num_blocks, intermediate, BLOCK_K),)](
-        a, a.stride(0), a_sf, a_sf.stride(0), a_rows, weight, weight.stride(0),
-        w1, w1_sf, block_expert, act, act.stride(0), act_sf, a_rows, 0,
-        num_blocks, intermediate, hidden,
-        A_INDIRECT=True, SWIGLU=True, BLOCK_M=block_m, BLOCK_N=BLOCK_K, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-        FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, CLAMP=float(activation_clamp), num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (a, a.stride(0), a_sf, a_sf.stride(0), a_rows, weight, weight.stride(0),
+            w1, w1_sf, block_expert, act, act.stride(0), act_sf, a_rows, 0,
+            num_blocks, intermediate, hidden)
+    return _launch(_grid_size(num_blocks, intermediate, BLOCK_K), args, compile_only,
+                   A_INDIRECT=True, SWIGLU=True, BLOCK_M=block_m, BLOCK_N=BLOCK_K, BLOCK_K=BLOCK_K, GROUP_M=group_m,
+                   FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, CLAMP=float(activation_clamp), num_warps=num_warps,
+                   num_stages=num_stages)
 
 
 def grouped_gemm(
     a: torch.Tensor, a_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor, block_expert: torch.Tensor,
     out: torch.Tensor, out_rows: torch.Tensor, out_skip: int, *, block_m: int, block_n: int,
-    num_warps: int, num_stages: int,
-) -> None:
+    num_warps: int, num_stages: int, group_m: int = GROUP_M, compile_only: bool = False,
+):
     """L2 for every pool row ``p`` (``a [pool, K]`` FP8, ``a_sf [pool, K/128]``) through expert
     ``block_expert[p // block_m]``'s ``w`` ([E, N, K]); writes BF16 row ``out[out_rows[p]]``
-    unless ``out_rows[p] >= out_skip``."""
+    unless ``out_rows[p] >= out_skip``.  ``block_n`` divides N; 64, 128 or 256 (a multiple of
+    64 that a 128-channel weight scale block holds whole or in whole blocks)."""
     n, k = w.shape[1], w.shape[2]
     num_blocks = block_expert.shape[0]
-    _grouped_gemm_kernel[(_grid_size(num_blocks, n, block_n),)](
-        a, a.stride(0), a_sf, a_sf.stride(0), out_rows, a_sf, 0,
-        w, w_sf, block_expert, out, out.stride(0), a_sf, out_rows, out_skip,
-        num_blocks, n, k,
-        A_INDIRECT=False, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-        FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (a, a.stride(0), a_sf, a_sf.stride(0), out_rows, a_sf, 0,
+            w, w_sf, block_expert, out, out.stride(0), a_sf, out_rows, out_skip,
+            num_blocks, n, k)
+    return _launch(_grid_size(num_blocks, n, block_n), args, compile_only,
+                   A_INDIRECT=False, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                   GROUP_M=group_m, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages)
 
 
 def swiglu_quant(h: torch.Tensor, weight: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, group: int,

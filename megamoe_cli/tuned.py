@@ -3,10 +3,17 @@
 Where: ``$MEGAMOE_TUNED_CONFIG`` if set, else ``~/.cache/megamoe/tuned.json``.
 
 What: a JSON object ``{"version": 1, "entries": {KEY: ENTRY}}``.  ``KEY`` is the string form of
-:class:`TunedKey`: GPU, world size, the MoE shape, the activation dtype and a token bucket.
-``ENTRY`` holds the ``config`` that won (the same keys ``heuristics.default_config`` returns) and
-the evidence for it: the measured time, the analytic default's time, the speedup, the date and
-the commit.
+:class:`TunedKey`: the kernel it configures, GPU, world size, the MoE shape, the activation dtype
+and a token bucket.  ``ENTRY`` holds the ``config`` that won (the same keys
+``heuristics.default_config`` returns for the fused kernel; ``baseline_fp8``'s launch knobs for
+the baseline) and the evidence for it: the measured time, the default's time, the speedup, the
+date and the commit.
+
+Two kernels share the mechanism: the fused kernel (``kernel`` "fused", keys as they always were)
+and the unfused baseline's Triton GEMMs (``kernel`` "baseline", keys prefixed ``baseline/``).
+The fused runtime reads one store, the exact bucket.  The baseline reads the user's store first
+and then the one shipped in the package (``SHIPPED_BASELINE_PATH``, measured on the GPUs it
+names), the nearest bucket in each (:func:`lookup_nearest`).
 
 Token bucket: tokens per rank rounded up to the next power of two (1, 2, 4, ..., 1024, 2048, ...).
 A config tuned at 3000 tokens per rank serves every call with 2049..4096 tokens per rank; tune at
@@ -23,9 +30,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 from .errors import MegaMoEError
 from .files import atomic_write
@@ -35,6 +42,12 @@ from .layout import MoEShape
 ENV_VAR = "MEGAMOE_TUNED_CONFIG"
 FORMAT_VERSION = 1
 DEFAULT_DTYPE = "fp8_e4m3"
+FUSED_KERNEL = "fused"
+BASELINE_KERNEL = "baseline"
+# The baseline's measured launch configs shipped with the package (`megamoe tune --backend
+# torch-graph --config-file` this file to add to it).
+SHIPPED_BASELINE_NAME = "megamoe_cli/data/tuned_baseline.json"
+SHIPPED_BASELINE_PATH = Path(__file__).resolve().parent.parent / SHIPPED_BASELINE_NAME
 
 
 def default_path() -> Path:
@@ -63,11 +76,14 @@ class TunedKey:
     token_bucket: int
     # The expert weights' format: another kernel, so another winner (FP8 keys read as before)
     weights: str = "fp8"
+    # Which kernel the config is for (fused keys read as before)
+    kernel: str = FUSED_KERNEL
 
     def __str__(self) -> str:
         fmt = "" if self.weights == "fp8" else f"/w{self.weights}"
+        prefix = "" if self.kernel == FUSED_KERNEL else f"{self.kernel}/"
         return (
-            f"{self.gpu}/ws{self.world_size}/h{self.hidden}/i{self.intermediate}/"
+            f"{prefix}{self.gpu}/ws{self.world_size}/h{self.hidden}/i{self.intermediate}/"
             f"e{self.num_experts}/k{self.num_topk}/{self.dtype}{fmt}/t{self.token_bucket}"
         )
 
@@ -78,6 +94,7 @@ def make_key(
     shape: MoEShape,
     num_tokens_per_rank: int,
     dtype: str = DEFAULT_DTYPE,
+    kernel: str = FUSED_KERNEL,
 ) -> TunedKey:
     """The key a call with ``num_tokens_per_rank`` tokens per rank looks up (its bucket)."""
     return TunedKey(
@@ -90,6 +107,7 @@ def make_key(
         dtype=dtype,
         token_bucket=token_bucket(num_tokens_per_rank),
         weights=shape.weights,
+        kernel=kernel,
     )
 
 
@@ -184,6 +202,26 @@ def lookup(key: TunedKey, path: Optional[os.PathLike] = None) -> Optional[dict]:
     """The tuned config for exactly this key (same bucket), or None."""
     entry = load(path).get(str(key))
     return dict(entry["config"]) if entry is not None else None
+
+
+def lookup_nearest(key: TunedKey, path: Optional[os.PathLike] = None) -> Optional[Tuple[TunedKey, dict]]:
+    """``(stored key, config)`` of the entry that differs from ``key`` in its token bucket only, the
+    nearest bucket (in powers of two; a tie goes to the larger bucket, which was measured with
+    more rows than this call can have, never fewer); None when the store has none for this kernel,
+    GPU, world size, shape and format."""
+    best = None
+    for entry in load(path).values():
+        try:
+            stored = TunedKey(**entry["key"])
+        except (KeyError, TypeError):
+            continue
+        if replace(stored, token_bucket=key.token_bucket) != key:
+            continue
+        distance = abs(stored.token_bucket.bit_length() - key.token_bucket.bit_length())
+        rank = (distance, -stored.token_bucket)
+        if best is None or rank < best[0]:
+            best = (rank, stored, dict(entry["config"]))
+    return None if best is None else (best[1], best[2])
 
 
 def merge_and_save(entries: Iterable[dict], path: Optional[os.PathLike] = None) -> Path:

@@ -125,7 +125,8 @@ def test_the_eager_and_graph_backends_are_registered():
 
 def test_config_errors_name_what_was_expected():
     p = make_problem(SHAPE, 0, 1, 4, 4, "cpu", seed=1)
-    with pytest.raises(MegaMoEError, match=r"'torch' takes config keys gemm, block_m, num_warps, num_stages, got dtype"):
+    with pytest.raises(MegaMoEError, match=r"'torch' takes config keys gemm, block_m, num_warps, num_stages, "
+                                           r"l2_block_n, group_m, got dtype"):
         TorchFP8Backend().prepare(p, None, {"dtype": "fp8"})
     with pytest.raises(MegaMoEError, match=r"'torch': gemm must be one of auto, triton, scaled_grouped_mm, "
                                            r"scaled_mm, dequant, got 'cublas'"):
@@ -134,6 +135,10 @@ def test_config_errors_name_what_was_expected():
         TorchFP8Backend().prepare(p, None, {"block_m": 48})
     with pytest.raises(MegaMoEError, match=r"'torch': num_warps must be one of 4, 8, got 2"):
         TorchFP8Backend().prepare(p, None, {"num_warps": 2})
+    with pytest.raises(MegaMoEError, match=r"'torch': num_stages must be one depth or \[L1, L2\], got \[3, 4, 5\]"):
+        TorchFP8Backend().prepare(p, None, {"num_stages": [3, 4, 5]})
+    with pytest.raises(MegaMoEError, match=r"'torch': l2_block_n must be one of 64, 128, 256, got 96"):
+        TorchFP8Backend().prepare(p, None, {"l2_block_n": 96})
     with pytest.raises(MegaMoEError, match=r"'torch-graph' needs CUDA \(CUDA graphs\), got device cpu"):
         TorchFP8Backend(graph=True).prepare(p, None, {})
     with pytest.raises(MegaMoEError, match=r"gemm='scaled_mm'"):

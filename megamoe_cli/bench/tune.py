@@ -66,6 +66,12 @@ On a rank, a point's problem, reference output, timing loop and L2 flush are the
 own (``bench.session``, through ``CandidateTimer``): a candidate is timed as a bench point is,
 one call per sample.
 
+The unfused baseline (``--backend torch-graph`` or ``torch``) is tuned by the same run, with
+``bench.tune_baseline``'s sweeps, candidates and grid: a sweep carries its backend and its grid;
+a grid other than ``CandidateGrid`` plans its own points and compiles ahead itself
+(``plan``, ``precompile``), and the plan names the candidates' class (``candidate_type``,
+``module:attribute``) so the ranks read them back.  This module does not import it.
+
 Imports: ``rundir``, ``session``, ``sweep`` (module level); ``launcher`` (the run),
 ``envinfo`` and ``results`` (inside functions).  The bench worker imports this module for a
 plan's ``tune`` section; this module does not import the worker.
@@ -98,7 +104,7 @@ from ..kernel_source import (
 )
 from ..layout import BufferConfig, MoEShape
 from .rundir import JsonlTail, append_json
-from .session import error_text, kernel_diagnostic, load_backend, merge_errors
+from .session import error_text, kernel_diagnostic, load_attribute, load_backend, merge_errors
 from .sweep import SWEEP_KEYS, Checker, Point, parse_yaml, read_sweep_file, validate_sweep
 
 REL_ERR_LIMIT = 2e-2
@@ -151,6 +157,11 @@ class Candidate:
         """Measuring order and tie-break: by block_m (one buffer layout at a time), depth, cluster
         size, then every SM before fewer."""
         return (self.block_m, self.num_stages, self.cluster_m, 0 if self.num_sms == 0 else 1, -self.num_sms)
+
+    def columns(self) -> List[Tuple[str, str]]:
+        """(header, value) of each knob, for tables."""
+        return [("block_m", str(self.block_m)), ("stages", str(self.num_stages)), ("cluster", str(self.cluster_m)),
+                ("SMs", ALL_SMS if self.num_sms == 0 else str(self.num_sms))]
 
     def config(self) -> Dict[str, Any]:
         """The form the store and ``heuristics.default_config`` use (num_sms None = every SM)."""
@@ -214,9 +225,10 @@ class CandidateResult:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "CandidateResult":
+    def from_dict(cls, data: Mapping[str, Any], kind: type = Candidate) -> "CandidateResult":
+        """``kind``: the candidates' class (``Candidate``, or another kernel's with its interface)."""
         data = dict(data)
-        data["candidate"] = Candidate.from_dict(data["candidate"])
+        data["candidate"] = kind.from_dict(data["candidate"])
         data["rank_times_us"] = tuple(data.get("rank_times_us", ()))
         for key in ("rel_err", "rel_err_layer"):
             if isinstance(data.get(key), str):
@@ -256,8 +268,9 @@ class TuneSweep:
     description: str
     source: str
     points: List[Point]
-    grid: CandidateGrid = field(default_factory=CandidateGrid)
+    grid: Any = field(default_factory=CandidateGrid)  # CandidateGrid, or a grid that plans itself
     notes: List[str] = field(default_factory=list)
+    backend: str = DEFAULT_BACKEND  # the backend whose configs are tuned
 
 
 def _grid(check: Checker, doc: Mapping[str, Any]) -> CandidateGrid:
@@ -289,7 +302,7 @@ def _grid(check: Checker, doc: Mapping[str, Any]) -> CandidateGrid:
     return CandidateGrid(**grid)
 
 
-def _buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str]]:
+def buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str]]:
     """Token counts rounded up to their bucket's upper edge, and a note for each one moved."""
     if "num_tokens" not in doc:
         raise check.fail((), "missing required key 'num_tokens' (tokens per rank)")
@@ -319,12 +332,24 @@ def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]
     """Check a parsed tune sweep and expand it into one fused point per shape and bucket."""
     check = Checker(source, lines or {})
     doc = check.mapping(data, (), TUNE_SWEEP_KEYS)
+    if "backends" in doc and doc["backends"] not in (DEFAULT_BACKEND, [DEFAULT_BACKEND]):
+        raise check.fail(("backends",), f"tuning measures the fused kernel: give backends: [{DEFAULT_BACKEND}] "
+                                        f"or leave it out (a baseline's sweep: tune with --backend naming it), "
+                                        f"got {doc['backends']!r}")
+    check_tune_doc(check, doc)
+    grid = _grid(check, doc)
+    tokens, notes = buckets(check, doc)
+    bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}
+    bench_doc.update(num_tokens=tokens, backends=[DEFAULT_BACKEND], check=True)
+    sweep = validate_sweep(bench_doc, source, lines)
+    return TuneSweep(sweep.name, sweep.description, source, sweep.points, grid, notes)
+
+
+def check_tune_doc(check: Checker, doc: Mapping[str, Any]) -> None:
+    """The bench-sweep keys a tune fixes: the buffer, the check and one call per sample."""
     if "num_max_tokens_per_rank" in doc:
         raise check.fail(("num_max_tokens_per_rank",),
                          "a tune point's buffer holds exactly its bucket's upper edge; drop this key")
-    if "backends" in doc and doc["backends"] not in (DEFAULT_BACKEND, [DEFAULT_BACKEND]):
-        raise check.fail(("backends",), f"tuning measures the fused kernel: give backends: [{DEFAULT_BACKEND}] "
-                                        f"or leave it out, got {doc['backends']!r}")
     if doc.get("check", True) is not True:
         raise check.fail(("check",), "every candidate is checked against the reference: give check: true or "
                                      "leave it out")
@@ -332,12 +357,6 @@ def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]
         raise check.fail(("calls_per_sample",), "a candidate is timed one call per sample (after a barrier): "
                                                 f"give calls_per_sample: 1 or leave it out, got "
                                                 f"{doc['calls_per_sample']!r}")
-    grid = _grid(check, doc)
-    tokens, notes = _buckets(check, doc)
-    bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}
-    bench_doc.update(num_tokens=tokens, backends=[DEFAULT_BACKEND], check=True)
-    sweep = validate_sweep(bench_doc, source, lines)
-    return TuneSweep(sweep.name, sweep.description, source, sweep.points, grid, notes)
 
 
 def load_tune_sweep_text(text: str, source: str = "<tune sweep>") -> TuneSweep:
@@ -485,6 +504,8 @@ def plan_point(point: Point, world_size: int, gpu: str, grid: CandidateGrid) -> 
 
 
 def plan_tune(sweep: TuneSweep, world_size: int, gpu: str) -> List[PointPlan]:
+    if not isinstance(sweep.grid, CandidateGrid):
+        return sweep.grid.plan(sweep.points, world_size, gpu)
     return [plan_point(point, world_size, gpu, sweep.grid) for point in sweep.points]
 
 
@@ -717,7 +738,8 @@ def tune_point(worker, index: int, point: Point) -> Dict[str, Any]:
     from .results import STATUS_FAILED, STATUS_OK
 
     section = worker.plan["tune"]
-    candidates = [Candidate.from_dict(c) for c in section["candidates"][index]]
+    kind = load_attribute(section["candidate_type"]) if "candidate_type" in section else Candidate
+    candidates = [kind.from_dict(c) for c in section["candidates"][index]]
     records = section["records"]
     timer = CandidateTimer(worker.session, point, load_backend(section.get("backend", DEFAULT_BACKEND)))
 
@@ -874,7 +896,7 @@ def run_tune(
     gpu: Optional[str] = None,
     dry_run: bool = False,
     device: str = "cuda",
-    backend: str = DEFAULT_BACKEND,
+    backend: Optional[str] = None,
     timeout_s: Optional[float] = None,
     progress: Optional[Progress] = None,
     build: Optional[Callable] = None,
@@ -886,12 +908,13 @@ def run_tune(
 
     ``dry_run`` plans only (candidates and exclusions; no build, no GPU: give ``gpu`` and
     ``world_size`` where none is visible).  ``backend`` is the backend whose configs are tuned: a
-    registry name, or ``module:attribute``.  ``build`` replaces ``jit.build`` and ``launch``
+    registry name, or ``module:attribute`` (default: the sweep's).  ``build`` replaces ``jit.build`` and ``launch``
     replaces ``launcher.run_bench`` (same signatures).  ``progress`` receives one line per step.
     Bad input raises :class:`MegaMoEError` before anything is built; a run that stops early
     returns status ``failed`` with a message naming the point (and the candidate, after a fault).
     """
     say = progress or (lambda message: None)
+    backend = backend or sweep.backend
     path = Path(path) if path is not None else tuned.default_path()
     device_kind, world_size, gpu = _target(device, world_size, gpu, dry_run)
     for note in sweep.notes:
@@ -904,9 +927,12 @@ def run_tune(
                        outcomes, path, gpu, world_size, dry_run=True)
 
     tuned.load(path)  # a store that cannot be read stops the run before anything is built
-    variants = {c.variant(p.point.shape, world_size, p.num_tokens) for p in plans for c in p.candidates}
-    say(f"building {len(variants)} kernel variant(s) in parallel (cached ones are reused)")
-    exclude_unbuilt(plans, build_variants(sorted(variants, key=lambda v: v.name), build))
+    if isinstance(sweep.grid, CandidateGrid):
+        variants = {c.variant(p.point.shape, world_size, p.num_tokens) for p in plans for c in p.candidates}
+        say(f"building {len(variants)} kernel variant(s) in parallel (cached ones are reused)")
+        exclude_unbuilt(plans, build_variants(sorted(variants, key=lambda v: v.name), build))
+    elif device_kind == "cuda":  # e.g. the baseline's Triton GEMMs (on CPU ranks they are interpreted)
+        sweep.grid.precompile(plans, say)
 
     outcomes: Dict[int, PointOutcome] = {}
     runnable: List[int] = []
@@ -915,7 +941,7 @@ def run_tune(
             runnable.append(i)
         else:
             why = next(r.reason for r in plan.excluded if r.candidate == plan.default)
-            outcomes[i] = PointOutcome(plan, "failed", f"the analytic default ({plan.default.label}) cannot be "
+            outcomes[i] = PointOutcome(plan, "failed", f"the default ({plan.default.label}) cannot be "
                                        f"built ({why}); nothing to compare against, point skipped",
                                        _sorted(plan.excluded))
     if runnable:
@@ -944,6 +970,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
     tail = JsonlTail(records_path)
     records: Dict[int, Dict[str, Any]] = {}
     saved = 0
+    kind = type(plans[runnable[0]].default)
 
     def read_records() -> None:
         for record in tail.read():
@@ -961,7 +988,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
             plan_index = runnable[event.index]
             plan = plans[plan_index]
             record = records.get(event.index)
-            measured = [CandidateResult.from_dict(r) for r in record["results"]] if record else []
+            measured = [CandidateResult.from_dict(r, kind) for r in record["results"]] if record else []
             if record is not None:
                 outcome = finish_point(plan, measured, date=utc_now(), commit=commit)
             else:
@@ -982,6 +1009,7 @@ def _measure(plans: List[PointPlan], runnable: List[int], outcomes: Dict[int, Po
         "backend": backend,
         "records": str(records_path),
         "candidates": [[c.to_dict() for c in plans[i].candidates] for i in runnable],
+        "candidate_type": f"{kind.__module__}:{kind.__qualname__}",
     }}
     try:
         result = launch([plans[i].point for i in runnable], world_size, None, device=device, timeout_s=timeout_s,

@@ -50,6 +50,9 @@ class SmsList(click.ParamType):
 
 
 @click.command()
+@click.option("--backend", type=click.Choice(["fused", "torch", "torch-graph"]), default="fused", show_default=True,
+              help="Whose configs to tune: the fused kernel, or the unfused baseline's Triton GEMMs (block_m x "
+                   "warps x stages; --cluster-m and --sms do not apply).")
 @click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False),
               help="A tune sweep YAML file (see sweeps/tune_*.yaml); replaces the point flags below "
                    "(--block-m, --stages, --cluster-m and --sms replace its candidate dimensions).")
@@ -78,8 +81,8 @@ class SmsList(click.ParamType):
 @click.option("--gpu", help="With --dry-run: the GPU model to plan for (default: the visible GPU).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the saved entries (with --dry-run: the candidates) as JSON on stdout.")
-def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens,
-         block_m, num_stages, cluster_m,
+def tune(backend, sweep_file, preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp,
+         num_tokens, block_m, num_stages, cluster_m,
          num_sms, warmup, iters, seed, flush_l2, point_timeout, ranks, run_timeout, path, dry_run, gpu, as_json):
     """Find the fastest kernel config per shape and token bucket and save it for the runtime.
 
@@ -99,6 +102,7 @@ def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weight
       megamoe tune --preset deepseek-v3 --ranks 8 --tokens 128,8192 --sms all,128,120,112
       megamoe tune --sweep sweeps/tune_decode.yaml --stages 4
       megamoe tune --sweep sweeps/tune_prefill.yaml --dry-run --gpu H200 --ranks 2
+      megamoe tune --backend torch-graph --sweep sweeps/tune_baseline.yaml
     """
     from pathlib import Path
 
@@ -117,12 +121,17 @@ def tune(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weight
         raise click.UsageError("--gpu only plans (--dry-run); a tune run keys its entries by the GPU it runs on")
 
     spans = {name: ctx.params[name] for name in CANDIDATE_FLAGS}
+    sweeps, by_backend = library, {}
+    if backend != "fused":
+        from ..bench import tune_baseline as sweeps
+
+        by_backend = {"backend": backend}
     if sweep_file:
-        sweep = library.with_grid(library.load_tune_sweep(sweep_file), **spans)
+        sweep = sweeps.with_grid(sweeps.load_tune_sweep(sweep_file, **by_backend), **spans)
     else:
         values = {name: given.get(name) for name in POINT_FLAGS if name not in ("num_tokens", "point_timeout")}
-        sweep = library.tune_sweep_from_flags(num_tokens=given.get("num_tokens", DEFAULT_TOKENS),
-                                              timeout_s=given.get("point_timeout"), **values, **spans)
+        sweep = sweeps.tune_sweep_from_flags(num_tokens=given.get("num_tokens", DEFAULT_TOKENS),
+                                             timeout_s=given.get("point_timeout"), **by_backend, **values, **spans)
     target = Path(path).expanduser() if path else tuned.default_path()
     if not dry_run:
         _check_store(target, named_by="--config-file" if path else None)
@@ -198,7 +207,8 @@ def _candidate_table(outcome):
     default_us = outcome.default.time_us if outcome.default is not None and outcome.default.status == OK else None
     title = f"{outcome.plan.describe()}: {outcome.status}: {outcome.message}"
     table = Table(title=title, title_justify="left")
-    for header, justify in (("block_m", "right"), ("stages", "right"), ("cluster", "right"), ("SMs", "right"),
+    knobs = [header for header, _ in outcome.plan.default.columns()]
+    for header, justify in (*((h, "right") for h in knobs),
                             ("time us", "right"),
                             ("vs default", "right"), ("rel err", "right"), ("worst rank", "right"), ("status", "left"),
                             ("note", "left")):
@@ -209,7 +219,7 @@ def _candidate_table(outcome):
         note = ", ".join(marks + ([f"{result.stage}: {result.reason}"] if result.reason else []))
         speedup = f"{default_us / result.time_us:.2f}x" if default_us and result.status == OK else "-"
         style = "bold green" if result is outcome.winner else None if result.status in (OK, PLANNED) else "red"
-        table.add_row(str(c.block_m), str(c.num_stages), str(c.cluster_m), "all" if c.num_sms == 0 else str(c.num_sms),
+        table.add_row(*(value for _, value in c.columns()),
                       f"{result.time_us:,.1f}" if result.time_us else "-", speedup,
                       _err(result.rel_err_layer), _err(result.rel_err), result.status, note,
                       style=style)
@@ -229,8 +239,9 @@ def _entry_table(entries, target):
         table.add_column(header, justify=justify, overflow="fold")
     for entry in entries:
         key = entry["key"]
+        kernel = "" if key.get("kernel", "fused") == "fused" else key["kernel"] + " "
         table.add_row(
-            f"{key['gpu']} ws{key['world_size']} h{key['hidden']} i{key['intermediate']} e{key['num_experts']} "
+            f"{kernel}{key['gpu']} ws{key['world_size']} h{key['hidden']} i{key['intermediate']} e{key['num_experts']} "
             f"k{key['num_topk']}{'' if key.get('weights', 'fp8') == 'fp8' else ' w' + key['weights']} "
             f"tokens<={key['token_bucket']}",
             json.dumps(entry["config"], sort_keys=True),

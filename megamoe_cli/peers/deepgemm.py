@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ..baseline_fp8 import _Layout, _Runner
+from ..baseline_fp8 import LaunchConfig, _Layout, _Runner
 from ..errors import MegaMoEError
 from ..problem import Problem
 from ..quant import BLOCK, FP8_DTYPE
@@ -75,8 +75,9 @@ class _DeepGEMMRunner(_Runner):
             block_m = align
         self.expected_m = max(1, math.ceil(problem.world_size * problem.num_max_tokens_per_rank * s.num_topk
                                            / s.num_experts))
-        super().__init__(problem, group, "deepgemm", block_m, 4, (0, 0), graph, None)
-        self.config.pop("num_warps", None)
+        # The Triton launch knobs are unused here (no Triton GEMM runs); block_m is the pool's.
+        launch = LaunchConfig(block_m=block_m, num_warps=4, l1_stages=0, l2_stages=0)
+        super().__init__(problem, group, "deepgemm", launch, {}, graph, None)
         self.config.update(layout=layout, m_alignment=align, peer=version_of(DEEPGEMM))
         if self.masked:
             self.config.update(max_m=block_m, expected_m=self.expected_m)

@@ -1,6 +1,7 @@
 """The FP8 baseline (torch, torch-graph) on GPUs: against the reference under the same rule as the
-fused layer, no host sync in a call, graph replays equal to eager calls, and the rule rejecting
-the BF16-weight pipeline and planted bugs in this one.
+fused layer, no host sync in a call, graph replays equal to eager calls, the rule rejecting
+the BF16-weight pipeline and planted bugs in this one, and its tunable launch configs (every
+knob, a tuned entry read at prepare, the entries shipped in megamoe_cli/data) matching too.
 
     python -m pytest tests/gpu/test_baseline_gpu.py                  # one GPU
     torchrun --nproc-per-node 2 -m pytest tests/gpu/test_baseline_gpu.py
@@ -204,3 +205,122 @@ def test_the_rule_rejects_planted_bugs(group, bug, monkeypatch):
     verdict = check_output(runner().clone(), ref, problem.topk_idx, DSV3.intermediate, group)
     print(f"{bug}: {verdict.describe()}; {verdict.failures[:2]}")
     assert not verdict.ok, f"planted bug {bug} passed: {verdict.describe()}"
+
+
+# ---------------------------------------------------------------------------- tuned launch configs
+
+
+LAUNCHES = [
+    {"block_m": 16, "num_warps": 4, "num_stages": [2, 5], "l2_block_n": 64, "group_m": 1},
+    {"block_m": 32, "num_warps": 8, "num_stages": 4, "l2_block_n": 256, "group_m": 16},
+    {"block_m": 64, "num_warps": 4, "num_stages": [3, 5], "l2_block_n": 128, "group_m": 4},
+    {"block_m": 128, "num_warps": 8, "num_stages": 4, "l2_block_n": 256, "group_m": 8},
+]
+
+
+def _launch_id(launch):
+    return "-".join(f"{k}{v}" for k, v in launch.items()).replace(" ", "")
+
+
+@pytest.mark.parametrize("shape_name", ["small", "deepseek-v3"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=_launch_id)
+def test_every_tunable_launch_knob_matches_the_reference(group, launch, shape_name):
+    rank, world = rank_and_world(group)
+    shape = SMALL if shape_name == "small" else DSV3
+    problem = make_problem(shape, rank, world, 150 + 9 * rank, 256, "cuda", shared_seed(group), routing="imbalanced")
+    runner = TorchFP8Backend().prepare(problem, group, {"gemm": "triton", **launch})
+    assert runner.config["config_source"] == "given"
+    stages = launch["num_stages"] if isinstance(launch["num_stages"], list) else [launch["num_stages"]] * 2
+    assert runner.config["num_stages"] == stages and runner.config["l2_block_n"] == launch["l2_block_n"]
+    check(problem, group, runner().clone(), f"torch {shape_name} {_launch_id(launch)}")
+
+
+def _gpu_or_skip():
+    from megamoe_cli.gpus import gpu_spec
+
+    try:
+        return gpu_spec(torch.cuda.get_device_name()).name
+    except MegaMoEError as exc:
+        pytest.skip(f"tuned entries are keyed by known GPUs: {exc}")
+
+
+def test_a_tuned_entry_is_read_at_prepare_runs_and_matches_the_reference(group, tmp_path, monkeypatch):
+    from megamoe_cli import tuned
+    from megamoe_cli.baseline_fp8 import tuned_key
+
+    gpu = _gpu_or_skip()
+    rank, world = rank_and_world(group)
+    store = tmp_path / "tuned.json"
+    monkeypatch.setenv(tuned.ENV_VAR, str(store))
+    config = {"block_m": 32, "num_warps": 8, "num_stages": [4, 5], "l2_block_n": 256, "group_m": 4}
+    for weights in ("fp8", "fp4"):  # an MXFP4 layer runs the FP8 GEMMs: it reads the FP8 key
+        shape = DSV3 if weights == "fp8" else PRESETS["deepseek-v4-flash"]
+        problem = make_problem(shape, rank, world, 100 + rank, 128, "cuda", shared_seed(group))
+        entry = tuned.make_entry(tuned_key(problem, gpu), config, 1.0, 2.0, date="test", commit="test")
+        assert entry["key"]["weights"] == "fp8" and entry["key"]["kernel"] == "baseline"
+        tuned.merge_and_save([entry], store)
+        runner = TorchFP8Backend(graph=is_nccl(group)).prepare(problem, group, {})
+        assert (runner.config["config_source"], runner.config["tuned_store"]) == ("tuned", str(store)), runner.config
+        assert {k: runner.config[k] for k in config} == config
+        check(problem, group, runner().clone(), f"torch-graph tuned {weights}")
+
+
+def test_the_shipped_tuned_configs_run_and_match_the_reference(group, tmp_path, monkeypatch):
+    """Every entry `megamoe tune --backend torch-graph` wrote into the package for this GPU and
+    world size (buckets up to 1024 tokens; 128 with MEGAMOE_GPU_QUICK=1), read the way `megamoe
+    bench` reads it."""
+    from megamoe_cli import tuned
+
+    gpu = _gpu_or_skip()
+    rank, world = rank_and_world(group)
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "empty.json"))  # the user's store stays out of it
+    largest = 128 if QUICK else 1024
+    entries = [e for e in tuned.load(tuned.SHIPPED_BASELINE_PATH).values()
+               if e["key"].get("kernel") == "baseline" and e["key"]["gpu"] == gpu
+               and e["key"]["world_size"] == world and e["key"]["token_bucket"] <= largest]
+    if not entries:
+        pytest.skip(f"no shipped baseline entries for {gpu} at world size {world}")
+    for entry in entries:
+        k = entry["key"]
+        shape = MoEShape(k["hidden"], k["intermediate"], k["num_experts"], k["num_topk"])
+        problem = make_problem(shape, rank, world, k["token_bucket"], k["token_bucket"], "cuda", shared_seed(group))
+        runner = TorchFP8Backend(graph=is_nccl(group)).prepare(problem, group, {})
+        assert runner.config["config_source"] == "tuned", runner.config
+        assert runner.config["tuned_store"] == "megamoe_cli/data/tuned_baseline.json"
+        assert {key: runner.config[key] for key in entry["config"]} == entry["config"]
+        check(problem, group, runner().clone(), f"shipped {runner.config['tuned_entry']}")
+
+
+def test_a_config_past_the_shared_memory_limit_is_refused_at_prepare_or_runs_right(group):
+    """Five 128-row L1 stages pass the planning floor (four buffers); whether Triton fits them is
+    its own business: either prepare refuses them in one line, or they run and match."""
+    rank, world = rank_and_world(group)
+    problem = make_problem(DSV3, rank, world, 64, 64, "cuda", shared_seed(group))
+    launch = {"gemm": "triton", "block_m": 128, "num_warps": 8, "num_stages": [5, 5]}
+    try:
+        runner = TorchFP8Backend().prepare(problem, group, launch)
+    except MegaMoEError as exc:
+        text = str(exc)
+        print(text)
+        assert "\n" not in text and "does not compile or load here" in text and "block_m=128" in text
+        return
+    check(problem, group, runner().clone(), "torch block_m 128 x 5 stages")
+
+
+def test_compiling_ahead_in_spawned_processes_loads_every_planned_config(group):
+    """What `megamoe tune --backend torch-graph` runs before its ranks start: the real worker
+    function in spawned processes on this GPU, every config compiled and loaded."""
+    from megamoe_cli.bench import tune as lib
+    from megamoe_cli.bench import tune_baseline
+
+    if group is not None:
+        pytest.skip("the launcher compiles ahead once, not per rank")
+    sweep = tune_baseline.validate_tune_sweep(
+        {"name": "t", "shapes": [{"preset": "small"}, {"preset": "deepseek-v4-flash"}], "num_tokens": [8, 1024],
+         "candidates": {"num_stages": [3]}}, "test", backend="torch-graph")
+    plans = lib.plan_tune(sweep, 1, "H200")
+    said = []
+    failed = tune_baseline.precompile(plans, said.append, workers=4)
+    print("\n".join(said))
+    assert failed == {}, failed
+    assert len(tune_baseline.compile_jobs(plans)) > 8
