@@ -38,7 +38,9 @@ __all__ = [
     "KernelConfig",
     "SymmBuffer",
     "call_config",
+    "is_prepared",
     "mega_moe",
+    "prepare_call",
     "synchronize",
     "transform_weights_for_mega_moe",
 ]
@@ -82,17 +84,7 @@ def mega_moe(
         raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
     elif num_tokens_bound is not None:
         _check_bound(cfg, num_tokens_bound)
-    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
-        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
-    # Plans live on the buffer (they die with it), one per config, environment of the build and weight
-    # set; the weights' ids find a plan and the plan confirms they are the objects it was built for
-    # (a dropped set's id may come back), which costs far less per call than hashing their shapes.
-    key = (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), os.environ.get(ENV_EXPERIMENT),
-           id(l1), id(l2))
-    plan = buf.plans.get(key)
-    if plan is None or not plan.serves(l1, l2):
-        plan = buf.plans[key] = build_plan(buf, l1, l2, config)
-        plan.bind(l1, l2)
+    plan = _plan(buf, l1, l2, config)
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise MegaMoEError(
             f"mega_moe: y must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(y, 'shape', y)!r}"
@@ -120,6 +112,60 @@ def mega_moe(
             addresses = NO_INPUTS
     plan.launch(y, num_tokens, current_stream(buf.device), addresses)
     return y
+
+
+def _plan_key(l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> tuple:
+    # Plans live on the buffer (they die with it), one per config, environment of the build and weight
+    # set; the weights' ids find a plan and the plan confirms they are the objects it was built for
+    # (a dropped set's id may come back), which costs far less per call than hashing their shapes.
+    return (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), os.environ.get(ENV_EXPERIMENT),
+            id(l1), id(l2))
+
+
+def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig):
+    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
+        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
+    key = _plan_key(l1, l2, config)
+    plan = buf.plans.get(key)
+    if plan is None or not plan.serves(l1, l2):
+        plan = buf.plans[key] = build_plan(buf, l1, l2, config)
+        plan.bind(l1, l2)
+    return plan
+
+
+def prepare_call(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, num_tokens_bound: Optional[int] = None,
+                 config: Optional[KernelConfig] = None) -> KernelConfig:
+    """Everything ``mega_moe(..., num_tokens_bound=num_tokens_bound, config=config)`` does before
+    its first launch with these weights: the config choice (``call_config``), the kernel's build
+    and load, the launch plan.  Returns the config.  A CUDA graph can then capture that call as
+    its first: loading a kernel is not allowed while a stream is being captured.  Local (no
+    collective)."""
+    if config is None:
+        config = call_config(buf, num_tokens_bound)
+    elif not isinstance(config, KernelConfig):
+        raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
+    _plan(buf, l1, l2, config)
+    return config
+
+
+def is_prepared(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, num_tokens_bound: Optional[int] = None,
+                config: Optional[KernelConfig] = None) -> bool:
+    """Whether ``mega_moe`` would launch without choosing a config or loading a kernel
+    (``prepare_call`` was made for this bound, or a bound of its token bucket)."""
+    if config is None:
+        config = buf.call_configs.get(num_tokens_bound)
+        if config is None:
+            from ..tuned import token_bucket
+
+            bound = buf.config.num_max_tokens_per_rank if num_tokens_bound is None else num_tokens_bound
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+                return False
+            chosen = buf.bucket_configs.get(token_bucket(bound))
+            if chosen is None:
+                return False
+            config = chosen[0]
+    plan = buf.plans.get(_plan_key(l1, l2, config))
+    return plan is not None and plan.serves(l1, l2)
 
 
 def _check_bound(cfg: BufferConfig, num_tokens_bound: object) -> int:
