@@ -554,8 +554,8 @@ class MegaMoE(torch.nn.Module):
 
         ``x``: ``[n, hidden]`` BF16 (or another float type), quantized here per token per 128
         channels, or FP8 e4m3 with its ``x_sf [n, hidden/128]`` FP32 scales.  ``topk_idx`` int64
-        ``[n, num_topk]`` global expert ids (-1: none), ``topk_weights`` FP32 ``[n, num_topk]``.
-        ``num_tokens_bound``: at most this many tokens on any rank (the same value on every rank;
+        ``[n, num_topk]`` global expert ids (-1: none; int32 is widened), ``topk_weights`` FP32
+        ``[n, num_topk]`` (BF16/FP16 are widened).  ``num_tokens_bound``: at most this many tokens on any rank (the same value on every rank;
         default ``num_max_tokens_per_rank``); the kernel config is the tuned one of its token
         bucket.  Every rank of the group calls it together (n may differ per rank, may be 0).
         Traced (``torch.compile``, fake tensors, any dispatch mode) it is the op
@@ -588,6 +588,13 @@ class MegaMoE(torch.nn.Module):
             raise MegaMoEError(f"MegaMoE: x_sf goes with FP8 x only; x is {x.dtype} and is quantized here")
         else:
             x, x_sf = quantize_per_token(x)
+        # Routers hand out int32 ids or BF16 weights too (and views); the kernel reads int64 and FP32 rows.
+        if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype in (torch.int32, torch.int16):
+            topk_idx = topk_idx.long()
+        if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype in (torch.bfloat16, torch.float16):
+            topk_weights = topk_weights.float()
+        if isinstance(topk_idx, torch.Tensor) and isinstance(topk_weights, torch.Tensor):
+            topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         if self.fused:
             return self._fused_forward(x, x_sf, topk_idx, topk_weights, num_tokens_bound)
         return self._reference_forward(x, x_sf, topk_idx, topk_weights)

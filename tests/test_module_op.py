@@ -174,3 +174,12 @@ def test_mxfp4_through_the_op_equals_the_layer_on_quantized_weights():
     x, topk_idx, topk_weights = tokens(4)
     assert torch.equal(OP(x, None, topk_idx, topk_weights, moe.handle, None),
                        other(x, topk_idx, topk_weights))
+
+
+def test_int32_ids_and_bf16_weights_from_a_router_are_widened():
+    moe = layer()
+    x, topk_idx, topk_weights = tokens(5)
+    topk_weights = topk_weights.bfloat16().float()  # representable in BF16, so widening is exact
+    want = moe(x, topk_idx, topk_weights)
+    assert torch.equal(moe(x, topk_idx.int(), topk_weights.bfloat16()), want)
+    assert torch.equal(moe(x, topk_idx.t().contiguous().t(), topk_weights), want)
