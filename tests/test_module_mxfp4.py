@@ -87,6 +87,8 @@ def test_one_enum_reads_every_spelling_and_stores_one_value():
     assert json.dumps({"weights": WeightFormat.MXFP4}) == '{"weights": "fp4"}'
     shape = MoEShape(**DIMS, weights="mxfp4")
     assert shape.weights == "fp4" and type(shape.weights) is str and shape == MoEShape(**DIMS, weights="fp4")
+    # the functional API's SymmBuffer(weights=...) lays out through BufferConfig(MoEShape(...))
+    assert type(MoEShape(**DIMS, weights=WeightFormat.MXFP4).weights) is str
     assert module().weights is WeightFormat.MXFP4 and module(weights=WeightFormat.FP8).shape.weights == "fp8"
     for bad in ("int4", "", None, 4):
         with pytest.raises(MegaMoEError, match=r"MegaMoE: weights must be one of fp8, fp4, mxfp4, got"):

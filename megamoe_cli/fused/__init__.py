@@ -7,6 +7,10 @@ l1, l2 = transform_weights_for_mega_moe((w1, w1_sf), (w2, w2_sf))    # once
 mega_moe(y, l1, l2, buf, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)  # y: [n, hidden] bf16
 ```
 
+MXFP4 experts (``quant.quantize_mxfp4``'s uint8 pairs) need a buffer made for them:
+``SymmBuffer(..., weights=WeightFormat.MXFP4, activation_clamp=10.0)`` (any spelling
+``WeightFormat.parse`` reads, e.g. ``"mxfp4"``, does too).
+
 The kernel copies the given inputs into the buffer as its first phase.  Inputs already in the
 buffer (``buf.fill(x, x_sf, topk_idx, topk_weights)``, or written into ``buf.x[:n]``, ... directly)
 are used when none are given.
@@ -25,6 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..errors import MegaMoEError, MegaMoETimeout
+from ..formats import WeightFormat
 from ..kernel_source import ENV_EXPERIMENT, ENV_PROMOTION_HINTS, KernelConfig, experiment_defines, promotion_hints
 from ..layout import BufferConfig, MoEShape
 from .buffer import SymmBuffer
@@ -43,6 +48,7 @@ __all__ = [
     "prepare_call",
     "synchronize",
     "transform_weights_for_mega_moe",
+    "WeightFormat",
 ]
 
 
