@@ -126,6 +126,15 @@ def test_a_v4_mxfp4_checkpoint_loads_and_the_clamped_forward_equals_the_referenc
                        reference(weights, x, topk_idx, topk_weights))
 
 
+def test_the_comparison_catches_gate_and_up_swapped():
+    """A loader that stacked w3 before w1 would fail the comparisons above: the outputs differ."""
+    state = v4_checkpoint()
+    swapped = {k.replace(".w1.", ".tmp.").replace(".w3.", ".w1.").replace(".tmp.", ".w3."): v for k, v in state.items()}
+    x, topk_idx, topk_weights = tokens(6)
+    y = module().load_checkpoint(swapped, layer=LAYER)(x, topk_idx, topk_weights)
+    assert not torch.equal(y, reference(stacked(state), x, topk_idx, topk_weights))
+
+
 def test_sharded_safetensors_and_streamed_pairs_load_what_the_state_dict_holds(tmp_path):
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
