@@ -54,6 +54,7 @@ import torch.distributed as dist
 from .errors import MegaMoEError
 from .formats import WeightFormat
 from .layout import MoEShape
+from .op import mega_moe_op, register_layer  # registers torch.ops.megamoe.mega_moe
 from .quant import BLOCK, FP8_DTYPE, MX_BLOCK, UE8M0_NAN, quantize_mxfp4, quantize_per_block, quantize_per_token
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -406,8 +407,6 @@ class MegaMoE(torch.nn.Module):
         self.config = config
         self.symm_buffer = None  # fused.SymmBuffer (CUDA only): made by allocate(), collective
         self._weights: Optional[tuple] = None  # CPU: (w1, w1_sf, w2, w2_sf); CUDA: (l1, l2) re-laid out
-        from .op import register_layer
-
         self.handle = register_layer(self)  # how torch.ops.megamoe.mega_moe finds this layer
         if symm_buffer is not None:
             self._adopt(symm_buffer)
@@ -561,8 +560,6 @@ class MegaMoE(torch.nn.Module):
         Traced (``torch.compile``, fake tensors, any dispatch mode) it is the op
         ``torch.ops.megamoe.mega_moe``; eager, the same body without the dispatcher's cost."""
         if torch.compiler.is_compiling() or type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack():
-            from .op import mega_moe_op
-
             return mega_moe_op(x, x_sf, topk_idx, topk_weights, self.handle, num_tokens_bound)
         return self.run(x, x_sf, topk_idx, topk_weights, num_tokens_bound)
 
