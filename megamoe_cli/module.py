@@ -353,8 +353,9 @@ class MegaMoE(torch.nn.Module):
 
     Collective calls, on CUDA: the constructor (with ``allocate=True``), ``allocate()``, and every
     forward.  Every rank of ``group`` makes them, in the same order, with the same arguments
-    except the tokens; a rank that skips one leaves the others waiting until the kernel's timeout
-    (``MEGAMOE_TIMEOUT_S``).  Loading weights is local.  Once the buffer is made and the weights
+    except the tokens; a rank that skips one leaves the others waiting, in the buffer's rendezvous
+    until the process group's timeout, in the kernel until ``MEGAMOE_TIMEOUT_S``, then failing
+    with the kernel's diagnostic.  Loading weights is local.  Once the buffer is made and the weights
     loaded (in either order), every token bucket's kernel is built and loaded, so the module's
     very first forward may run inside ``torch.cuda.graph`` capture.  Layers run one after another
     on a stream may share one buffer (``symm_buffer=first.symm_buffer``): the buffer is the

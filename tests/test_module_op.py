@@ -61,6 +61,11 @@ def test_the_fake_op_gives_the_output_shape_and_dtype_without_a_layer():
         y = OP(torch.empty(3, HIDDEN, dtype=torch.float8_e4m3fn), torch.empty(3, HIDDEN // 128),
                torch.zeros(3, NUM_TOPK, dtype=torch.int64), torch.zeros(3, NUM_TOPK), 10 ** 9, None)
         assert y.shape == (3, HIDDEN) and y.dtype == torch.bfloat16
+    # meta tensors (a model built on the meta device) take the same implementation
+    y = OP(torch.empty(4, HIDDEN, device="meta", dtype=torch.bfloat16), None,
+           torch.empty(4, NUM_TOPK, device="meta", dtype=torch.int64), torch.empty(4, NUM_TOPK, device="meta"), 0, 2)
+    assert y.device.type == "meta" and y.shape == (4, HIDDEN) and y.dtype == torch.bfloat16
+    with FakeTensorMode():
         with pytest.raises(MegaMoEError, match=r"megamoe::mega_moe: expected x \[n, hidden\], topk_idx and "
                                                r"topk_weights \[n, num_topk\], got \(3, 256\), \(3, 2\), \(3, 3\)"):
             OP(torch.empty(3, HIDDEN), None, torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 3), 1, None)
@@ -73,8 +78,8 @@ def test_opcheck_passes(fp8_input):
     x_sf = None
     if fp8_input:
         x, x_sf = quantize_per_token(x)
-    # opcheck's schema test multiplies every input by a scalar, which CPU FP8 tensors do not support;
-    # the fake, AOT and autograd-registration tests cover an FP8 x
+    # opcheck's schema test checks the inputs for mutation with arithmetic CPU FP8 tensors do not
+    # support ("mul_cpu_reduced_float" is not implemented for them); the other three cover an FP8 x
     tests = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration") + (
         () if fp8_input else ("test_schema",))
     result = torch.library.opcheck(OP, (x, x_sf, topk_idx, topk_weights, moe.handle, 8), test_utils=tests)
