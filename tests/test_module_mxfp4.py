@@ -175,6 +175,14 @@ def test_the_stacked_layout_converts_to_the_v4_naming():
     # read as concatenated, the interleaved rows become other weights: the option matters
     wrong = convert_stacked_mxfp4(src, layer=LAYER, interleaved=False)
     assert not torch.equal(wrong[f"{V4}.0.w1.weight"], converted[f"{V4}.0.w1.weight"])
+    bad = {**src, f"{V3}.down_proj_blocks": w2.reshape(NUM_EXPERTS, HIDDEN, INTERMEDIATE // 16, 8)}
+    with pytest.raises(MegaMoEError, match=rf"checkpoint key {V3}.down_proj_blocks: expected uint8 \[experts, N, K/32, "
+                                           rf"16\] MXFP4 blocks, got torch.uint8 \(4, 256, 8, 8\)"):
+        convert_stacked_mxfp4(bad, layer=LAYER)
+    bad = {**src, f"{V3}.down_proj_scales": w2_sf[:, :, :2]}
+    with pytest.raises(MegaMoEError, match=rf"checkpoint key {V3}.down_proj_scales: expected shape \(4, 256, 4\), "
+                                           rf"got \(4, 256, 2\)"):
+        convert_stacked_mxfp4(bad, layer=LAYER)
     src[f"{V3}.down_proj_bias"] = torch.ones(NUM_EXPERTS, HIDDEN)
     with pytest.raises(MegaMoEError, match=rf"checkpoint key {V3}.down_proj_bias: this layer has no expert biases"):
         convert_stacked_mxfp4(src, layer=LAYER)
