@@ -10,10 +10,10 @@ y = moe(x, topk_idx, topk_weights, num_tokens_bound=8)     # x BF16 [n, hidden] 
 
 Checkpoint keys (``load_checkpoint``), per expert ``e`` of layer ``L``, either naming:
 
-| naming | keys | default prefix |
-|---|---|---|
-| DeepSeek-V3 | ``{prefix}.{e}.{gate_proj,up_proj,down_proj}.weight`` / ``.weight_scale_inv`` | ``model.layers.{L}.mlp.experts`` |
-| DeepSeek-V4 | ``{prefix}.{e}.{w1,w3,w2}.weight`` / ``.scale`` (w1 gate, w3 up, w2 down) | ``layers.{L}.ffn.experts`` |
+- DeepSeek-V3: ``{prefix}.{e}.{gate_proj,up_proj,down_proj}.weight`` and ``.weight_scale_inv``,
+  ``prefix`` defaulting to ``model.layers.{L}.mlp.experts``;
+- DeepSeek-V4: ``{prefix}.{e}.{w1,w3,w2}.weight`` and ``.scale`` (w1 gate, w3 up, w2 down),
+  ``prefix`` defaulting to ``layers.{L}.ffn.experts``;
 
 and in either naming, by the weight's dtype:
 
@@ -36,8 +36,10 @@ rank's experts are kept).  Global expert ``e`` lives on rank ``e // (num_experts
 On a CUDA device the forward is the fused kernel (``fused.mega_moe``), with the kernel config
 chosen per ``num_tokens_bound`` from the tuned store; on the CPU it is the quantization-aware
 reference (``reference.py``), on one process or over a gloo group, so the same module runs in CPU
-tests.  Either way it runs through the registered op ``torch.ops.megamoe.mega_moe`` (``op.py``),
-which ``torch.compile(fullgraph=True)`` traces through.
+tests.  Traced (``torch.compile(fullgraph=True)``, fake tensors) the forward is the registered op
+``torch.ops.megamoe.mega_moe`` (``op.py``); eager calls run the same body without the dispatcher.
+Which calls are collective, and why the first forward can be captured into a CUDA graph: the
+``MegaMoE`` docstring.
 """
 
 from __future__ import annotations
@@ -255,7 +257,8 @@ def _find_naming(reader, prefixes: Sequence[Tuple[ExpertNaming, str]], first_exp
 def _candidates(layer: Optional[int], prefix: Optional[str]) -> List[Tuple[ExpertNaming, str]]:
     if prefix is None:
         if layer is None:
-            raise MegaMoEError("load_checkpoint: give layer= (the decoder layer index) or prefix= (the experts' key prefix)")
+            raise MegaMoEError("load_checkpoint: give layer= (the decoder layer index) or prefix= (the experts' key "
+                               "prefix)")
         return [(n, n.prefix.format(layer=layer)) for n in NAMINGS]
     return [(n, prefix) for n in NAMINGS]
 
@@ -555,9 +558,9 @@ class MegaMoE(torch.nn.Module):
         ``x``: ``[n, hidden]`` BF16 (or another float type), quantized here per token per 128
         channels, or FP8 e4m3 with its ``x_sf [n, hidden/128]`` FP32 scales.  ``topk_idx`` int64
         ``[n, num_topk]`` global expert ids (-1: none; int32 is widened), ``topk_weights`` FP32
-        ``[n, num_topk]`` (BF16/FP16 are widened).  ``num_tokens_bound``: at most this many tokens on any rank (the same value on every rank;
-        default ``num_max_tokens_per_rank``); the kernel config is the tuned one of its token
-        bucket.  Every rank of the group calls it together (n may differ per rank, may be 0).
+        ``[n, num_topk]`` (BF16/FP16 are widened).  ``num_tokens_bound``: at most this many tokens
+        on any rank (the same value on every rank; default ``num_max_tokens_per_rank``); the kernel
+        config is the tuned one of its token bucket, else the analytic default.  Every rank of the group calls it together (n may differ per rank, may be 0).
         Traced (``torch.compile``, fake tensors, any dispatch mode) it is the op
         ``torch.ops.megamoe.mega_moe``; eager, the same body without the dispatcher's cost."""
         if torch.compiler.is_compiling() or type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack():
