@@ -614,17 +614,12 @@ class MegaMoE(torch.nn.Module):
         return moe_reference_distributed(problem, self.group)
 
     def _fused_forward(self, x, x_sf, topk_idx, topk_weights, num_tokens_bound) -> torch.Tensor:
-        from .fused import is_prepared, mega_moe
+        from .fused import mega_moe
 
         if self.symm_buffer is None:
             raise MegaMoEError("MegaMoE: no symmetric buffer; call allocate() on every rank first (the "
                                "constructor does unless given allocate=False)")
         l1, l2 = self._weights
-        if torch.cuda.is_current_stream_capturing() and not is_prepared(self.symm_buffer, l1, l2, num_tokens_bound,
-                                                                          self.config):
-            raise MegaMoEError(f"MegaMoE: the kernel for num_tokens_bound={num_tokens_bound} is not loaded, and "
-                               "a kernel cannot be loaded during CUDA-graph capture; make one call with this bound "
-                               "before capturing")
         y = torch.empty(x.shape[0], self.shape.hidden, dtype=torch.bfloat16, device=self.device)
         return mega_moe(y, l1, l2, self.symm_buffer, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights,
                         config=self.config, num_tokens_bound=num_tokens_bound)

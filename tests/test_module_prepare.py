@@ -90,14 +90,20 @@ def test_a_given_config_is_the_only_one_loaded(built):
 
 def test_a_capture_whose_kernel_is_not_loaded_is_refused(built, monkeypatch):
     moe, buf, weights = stand_in_module(64)
-    moe._weights = weights  # loaded, but no kernel prepared: what a plan's environment change leaves
+    moe._weights = weights
+    moe._prepare_kernels()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(fused, "mega_moe", lambda *a, **k: pytest.fail("launched during capture"))
-    x_q = torch.zeros(2, DIMS["hidden"], dtype=torch.float8_e4m3fn)
-    with pytest.raises(MegaMoEError, match=r"^MegaMoE: the kernel for num_tokens_bound=8 is not loaded, and a kernel "
-                                           r"cannot be loaded during CUDA-graph capture"):
-        moe._fused_forward(x_q, torch.ones(2, 4), torch.zeros(2, 4, dtype=torch.int64), torch.ones(2, 4), 8)
-    assert built == []
+    # other weights (a reload after the kernels were loaded) have no plan yet: loading one is refused
+    other = fused.ExpertWeights(torch.empty(0), torch.empty(0))
+    with pytest.raises(MegaMoEError, match=r"^mega_moe: the kernel for num_tokens_bound=8 \(KernelConfig\(block_m=64.*"
+                                           r"\) is not loaded, and a kernel cannot be loaded during CUDA-graph capture; "
+                                           r"call fused.prepare_call\(buf, l1, l2, num_tokens_bound\) before capturing"):
+        fused.mega_moe(None, other, weights[1], buf, num_tokens_bound=8)
+    loaded = len(built)
+    with pytest.raises(MegaMoEError, match="cannot be loaded during CUDA-graph capture"):
+        fused.prepare_call(buf, other, weights[1], None)
+    assert len(built) == loaded, "nothing was built while capturing"
 
 
 def test_a_forward_without_a_buffer_says_to_allocate():

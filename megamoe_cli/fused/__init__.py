@@ -90,7 +90,7 @@ def mega_moe(
         raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
     elif num_tokens_bound is not None:
         _check_bound(cfg, num_tokens_bound)
-    plan = _plan(buf, l1, l2, config)
+    plan = _plan(buf, l1, l2, config, num_tokens_bound)
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise MegaMoEError(
             f"mega_moe: y must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(y, 'shape', y)!r}"
@@ -128,12 +128,19 @@ def _plan_key(l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> tup
             id(l1), id(l2))
 
 
-def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig):
+def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig,
+          num_tokens_bound: Optional[int] = None):
     if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
         raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
     key = _plan_key(l1, l2, config)
     plan = buf.plans.get(key)
     if plan is None or not plan.serves(l1, l2):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise MegaMoEError(
+                f"mega_moe: the kernel for num_tokens_bound={num_tokens_bound} ({config}) is not loaded, and a kernel "
+                "cannot be loaded during CUDA-graph capture; call fused.prepare_call(buf, l1, l2, num_tokens_bound) "
+                "before capturing (MegaMoE does for every bound once its buffer and weights exist)"
+            )
         plan = buf.plans[key] = build_plan(buf, l1, l2, config)
         plan.bind(l1, l2)
     return plan
