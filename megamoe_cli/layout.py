@@ -23,6 +23,7 @@ from typing import Dict, List, Tuple
 
 from .contract import BLOCK_N, GRID_SYNC_WORDS, SUPPORTED_BLOCK_M, GridSyncWord, check_block_m
 from .errors import MegaMoEError
+from .formats import WEIGHT_FORMATS, WeightFormat
 
 SEGMENT_ALIGN_BYTES = 1024
 SCALE_BLOCK = 128
@@ -51,9 +52,6 @@ def l2_ready_words(intermediate: int) -> int:
     return ceil_div(2 * intermediate // BLOCK_N, 32)
 
 
-WEIGHT_FORMATS = ("fp8", "fp4")
-
-
 @dataclass(frozen=True)
 class MoEShape:
     """The model side of a MoE layer: what every rank agrees on."""
@@ -62,14 +60,15 @@ class MoEShape:
     intermediate: int
     num_experts: int
     num_topk: int
-    # Expert weight format: "fp8" (e4m3, 128x128 FP32 block scales) or "fp4" (MXFP4, SPEC §2b)
+    # Expert weight format: a WeightFormat's value, "fp8" (e4m3, 128x128 FP32 block scales) or "fp4"
+    # (MXFP4, SPEC §2b); any spelling WeightFormat.parse reads is stored as its value
     weights: str = "fp8"
     # SwiGLU clamp of the models that have one: gate <= c, -c <= up <= c (0: none)
     activation_clamp: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHT_FORMATS:
-            raise MegaMoEError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        # A plain str, not the member: shapes go into YAML, JSON and hashed keys as they always did
+        object.__setattr__(self, "weights", WeightFormat.parse(self.weights).value)
         clamp = self.activation_clamp
         if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp >= 0 or clamp == float("inf"):
             raise MegaMoEError(f"activation_clamp must be a finite number >= 0 (0: no clamp), got {clamp!r}")

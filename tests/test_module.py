@@ -116,8 +116,9 @@ def test_fp8_input_with_scales_equals_the_bf16_input_quantized_here():
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.pop(f"{PREFIX}.2.up_proj.weight_scale_inv"),
      f"checkpoint key {PREFIX}.2.up_proj.weight_scale_inv is missing from the state dict"),
-    (lambda s: s.update({f"{PREFIX}.1.down_proj.weight": torch.zeros(HIDDEN, INTERMEDIATE, dtype=torch.bfloat16)}),
-     rf"checkpoint key {PREFIX}.1.down_proj.weight: expected dtype torch.float8_e4m3fn, got torch.bfloat16"),
+    (lambda s: s.update({f"{PREFIX}.1.down_proj.weight": torch.zeros(HIDDEN, INTERMEDIATE, dtype=torch.int32)}),
+     rf"checkpoint key {PREFIX}.1.down_proj.weight: expected dtype torch.float8_e4m3fn or torch.bfloat16 or "
+     rf"torch.float16 or torch.float32, got torch.int32"),
     (lambda s: s.update({f"{PREFIX}.0.gate_proj.weight": torch.zeros(HIDDEN, HIDDEN, dtype=torch.float8_e4m3fn)}),
      rf"checkpoint key {PREFIX}.0.gate_proj.weight: expected shape \(128, 256\), got \(256, 256\)"),
 ])

@@ -40,6 +40,20 @@ class NameList(click.ParamType):
         return items
 
 
+class WeightFormatList(NameList):
+    """``fp8,mxfp4`` -> ``["fp8", "fp4"]``: any spelling of ``formats.WeightFormat``, as its stored value."""
+
+    def __init__(self):
+        from ..formats import WeightFormat
+
+        super().__init__(WeightFormat.spellings())
+
+    def convert(self, value, param, ctx):
+        from ..formats import WeightFormat
+
+        return [WeightFormat.parse(item).value for item in super().convert(value, param, ctx)]
+
+
 def shape_options(preset_default: str = "deepseek-v3", multi_weights: bool = True):
     """``--preset --hidden --intermediate --experts --topk --weights --activation-clamp`` (explicit
     flags override the preset); ``preset_default`` is what the help says a command uses without
@@ -47,9 +61,9 @@ def shape_options(preset_default: str = "deepseek-v3", multi_weights: bool = Tru
     takes one, and says so in its help)."""
     from ..layout import PRESETS
 
-    weights_help = ("Expert weight format(s): fp8 (e4m3, 128x128 scales) or fp4 (MXFP4); default: the preset's "
+    weights_help = ("Expert weight format(s): fp8 (e4m3, 128x128 scales) or fp4 (MXFP4, also spelled mxfp4); default: the preset's "
                     "(fp4 for deepseek-v4-*). fp8,fp4 runs both side by side." if multi_weights else
-                    "Expert weight format, one of fp8 (e4m3, 128x128 scales) or fp4 (MXFP4); default: the "
+                    "Expert weight format, one of fp8 (e4m3, 128x128 scales) or fp4 (MXFP4, also spelled mxfp4); default: the "
                     "preset's (fp4 for deepseek-v4-*).")
 
     def decorate(command):
@@ -60,7 +74,7 @@ def shape_options(preset_default: str = "deepseek-v3", multi_weights: bool = Tru
             click.option("--intermediate", type=int, help="Expert intermediate size, a multiple of 128."),
             click.option("--experts", "num_experts", type=int, help="Number of experts."),
             click.option("--topk", "num_topk", type=int, help="Experts per token."),
-            click.option("--weights", type=NameList(("fp8", "fp4")), help=weights_help),
+            click.option("--weights", type=WeightFormatList(), help=weights_help),
             click.option("--activation-clamp", type=click.FloatRange(min=0),
                          help="SwiGLU clamp (gate <= c, -c <= up <= c; 0: none); default: the preset's."),
         ]

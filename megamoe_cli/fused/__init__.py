@@ -7,6 +7,10 @@ l1, l2 = transform_weights_for_mega_moe((w1, w1_sf), (w2, w2_sf))    # once
 mega_moe(y, l1, l2, buf, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)  # y: [n, hidden] bf16
 ```
 
+MXFP4 experts (``quant.quantize_mxfp4``'s uint8 pairs) need a buffer made for them:
+``SymmBuffer(..., weights=WeightFormat.MXFP4, activation_clamp=10.0)`` (any spelling
+``WeightFormat.parse`` reads, e.g. ``"mxfp4"``, does too).
+
 The kernel copies the given inputs into the buffer as its first phase.  Inputs already in the
 buffer (``buf.fill(x, x_sf, topk_idx, topk_weights)``, or written into ``buf.x[:n]``, ... directly)
 are used when none are given.
@@ -25,6 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..errors import MegaMoEError, MegaMoETimeout
+from ..formats import WeightFormat
 from ..kernel_source import ENV_EXPERIMENT, ENV_PROMOTION_HINTS, KernelConfig, experiment_defines, promotion_hints
 from ..layout import BufferConfig, MoEShape
 from .buffer import SymmBuffer
@@ -38,9 +43,12 @@ __all__ = [
     "KernelConfig",
     "SymmBuffer",
     "call_config",
+    "is_prepared",
     "mega_moe",
+    "prepare_call",
     "synchronize",
     "transform_weights_for_mega_moe",
+    "WeightFormat",
 ]
 
 
@@ -82,17 +90,7 @@ def mega_moe(
         raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
     elif num_tokens_bound is not None:
         _check_bound(cfg, num_tokens_bound)
-    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
-        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
-    # Plans live on the buffer (they die with it), one per config, environment of the build and weight
-    # set; the weights' ids find a plan and the plan confirms they are the objects it was built for
-    # (a dropped set's id may come back), which costs far less per call than hashing their shapes.
-    key = (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), os.environ.get(ENV_EXPERIMENT),
-           id(l1), id(l2))
-    plan = buf.plans.get(key)
-    if plan is None or not plan.serves(l1, l2):
-        plan = buf.plans[key] = build_plan(buf, l1, l2, config)
-        plan.bind(l1, l2)
+    plan = _plan(buf, l1, l2, config, num_tokens_bound)
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise MegaMoEError(
             f"mega_moe: y must be a 2-D [num_tokens, {cfg.shape.hidden}] tensor, got {getattr(y, 'shape', y)!r}"
@@ -120,6 +118,67 @@ def mega_moe(
             addresses = NO_INPUTS
     plan.launch(y, num_tokens, current_stream(buf.device), addresses)
     return y
+
+
+def _plan_key(l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> tuple:
+    # Plans live on the buffer (they die with it), one per config, environment of the build and weight
+    # set; the weights' ids find a plan and the plan confirms they are the objects it was built for
+    # (a dropped set's id may come back), which costs far less per call than hashing their shapes.
+    return (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), os.environ.get(ENV_EXPERIMENT),
+            id(l1), id(l2))
+
+
+def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig,
+          num_tokens_bound: Optional[int] = None):
+    if not isinstance(l1, ExpertWeights) or not isinstance(l2, ExpertWeights):
+        raise MegaMoEError("mega_moe: l1 and l2 must come from transform_weights_for_mega_moe")
+    key = _plan_key(l1, l2, config)
+    plan = buf.plans.get(key)
+    if plan is None or not plan.serves(l1, l2):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise MegaMoEError(
+                f"mega_moe: the kernel for num_tokens_bound={num_tokens_bound} ({config}) is not loaded, and a kernel "
+                "cannot be loaded during CUDA-graph capture; call fused.prepare_call(buf, l1, l2, num_tokens_bound) "
+                "before capturing (MegaMoE does for every bound once its buffer and weights exist)"
+            )
+        plan = buf.plans[key] = build_plan(buf, l1, l2, config)
+        plan.bind(l1, l2)
+    return plan
+
+
+def prepare_call(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, num_tokens_bound: Optional[int] = None,
+                 config: Optional[KernelConfig] = None) -> KernelConfig:
+    """Everything ``mega_moe(..., num_tokens_bound=num_tokens_bound, config=config)`` does before
+    its first launch with these weights: the config choice (``call_config``), the kernel's build
+    and load, the launch plan.  Returns the config.  A CUDA graph can then capture that call as
+    its first: loading a kernel is not allowed while a stream is being captured.  Local (no
+    collective)."""
+    if config is None:
+        config = call_config(buf, num_tokens_bound)
+    elif not isinstance(config, KernelConfig):
+        raise MegaMoEError(f"mega_moe: config must be a KernelConfig, got {type(config).__name__}")
+    _plan(buf, l1, l2, config)
+    return config
+
+
+def is_prepared(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, num_tokens_bound: Optional[int] = None,
+                config: Optional[KernelConfig] = None) -> bool:
+    """Whether ``mega_moe`` would launch without choosing a config or loading a kernel
+    (``prepare_call`` was made for this bound, or a bound of its token bucket)."""
+    if config is None:
+        config = buf.call_configs.get(num_tokens_bound)
+        if config is None:
+            from ..tuned import token_bucket
+
+            bound = buf.config.num_max_tokens_per_rank if num_tokens_bound is None else num_tokens_bound
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+                return False
+            chosen = buf.bucket_configs.get(token_bucket(bound))
+            if chosen is None:
+                return False
+            config = chosen[0]
+    plan = buf.plans.get(_plan_key(l1, l2, config))
+    return plan is not None and plan.serves(l1, l2)
 
 
 def _check_bound(cfg: BufferConfig, num_tokens_bound: object) -> int:
