@@ -459,9 +459,12 @@ class _Runner:
         self.pair_valid = valid
 
         send, tokens, H, S = self.send, self.pair_token, L.H, L.sf_bytes
-        send[:, :H].index_copy_(0, self.pos, p.x.view(torch.uint8)[tokens])
-        send[:, H : H + S].index_copy_(0, self.pos, p.x_sf.view(torch.uint8)[tokens])
-        send[:, H + S :].index_copy_(0, self.pos, p.topk_weights.reshape(-1, 1).view(torch.uint8))
+        # Copied as 4-byte words (a row's parts are multiples of 4 bytes): index copies move one
+        # element per thread, so byte elements would take four times the work.
+        words, h4, s4 = send.view(torch.int32), H // 4, (H + S) // 4
+        words[:, :h4].index_copy_(0, self.pos, p.x.view(torch.int32)[tokens])
+        words[:, h4:s4].index_copy_(0, self.pos, p.x_sf.view(torch.int32)[tokens])
+        words[:, s4:].index_copy_(0, self.pos, p.topk_weights.reshape(-1, 1).view(torch.int32))
         header = send[: L.rows].view(L.R, L.segment, L.row_bytes)[:, : L.header_rows].flatten(1)
         header[:, : 4 * L.E_local].copy_(counts[: L.E].view(L.R, L.E_local).to(torch.int32).view(torch.uint8))
         if self.group is not None:

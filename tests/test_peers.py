@@ -252,3 +252,64 @@ def test_sglang_that_cannot_load_is_one_error(tmp_path, monkeypatch):
     with pytest.raises(MegaMoEError, match="SGLang's Triton MoE kernels do not load"):
         sglang.load_kernels("sglang")
     assert not [n for n in sys.modules if n.split(".")[0] == "sglang"]
+
+
+class _TorchDeepGEMM:
+    """DeepGEMM's grouped GEMMs as FP32 matmuls of the dequantized operands, so the deepgemm
+    backend's glue (pool scatter, layouts, SwiGLU on the filled rows, gather back) runs on the CPU."""
+
+    def __init__(self, alignment=128):
+        self.alignment = alignment
+        self.calls = []
+
+    def get_mk_alignment_for_contiguous_layout(self):
+        return self.alignment
+
+    @staticmethod
+    def _rows(a, a_sf, w, w_sf):
+        from megamoe_cli.quant import dequantize_per_block
+
+        return (dequantize_per_token(a, a_sf) @ dequantize_per_block(w, w_sf).T).bfloat16()
+
+    def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, m_indices):
+        self.calls.append(("contiguous", d.shape[0]))
+        (x, x_sf), (w, w_sf) = a, b
+        for e in m_indices.unique().tolist():
+            if e >= 0:
+                rows = (m_indices == e).nonzero().flatten()
+                d[rows] = self._rows(x[rows], x_sf[rows], w[e], w_sf[e])
+
+    def m_grouped_fp8_fp4_gemm_nt_masked(self, a, b, d, masked_m, expected_m):
+        self.calls.append(("masked", expected_m))
+        (x, x_sf), (w, w_sf) = a, b
+        for e, m in enumerate(masked_m.tolist()):
+            if m:
+                d[e, :m] = self._rows(x[e, :m], x_sf[e, :m], w[e], w_sf[e])
+
+
+@pytest.mark.parametrize("layout,tokens,routing", [("masked", 5, "random"), ("masked", 40, "with_invalid"),
+                                                    ("contiguous", 40, "random"), ("contiguous", 60, "one_expert"),
+                                                    ("contiguous", 50, "with_invalid")])
+@pytest.mark.parametrize("graph_pool", [False, True])
+def test_deepgemm_glue_matches_the_reference(monkeypatch, layout, tokens, routing, graph_pool):
+    """The glue around DeepGEMM's GEMMs, with stand-in GEMMs: eager (the filled rows only) and as a
+    captured call sizes them (the whole pool), both layouts, hostile routing."""
+    triton_interpreter.kernels()
+    from megamoe_cli.layout import MoEShape
+    from megamoe_cli.problem import make_problem
+    from megamoe_cli.reference import moe_reference_distributed
+    from megamoe_cli.tolerance import check_output
+
+    shape = MoEShape(hidden=256, intermediate=256, num_experts=8, num_topk=2)
+    problem = make_problem(shape, 0, 1, tokens, tokens, "cpu", 3, routing=routing)
+    dg = _TorchDeepGEMM()
+    runner = deepgemm._DeepGEMMRunner(problem, None, dg, layout, graph=False)
+    runner.graph = graph_pool  # size the GEMMs as a captured call does, without capturing
+    y = runner._eager().clone()
+    assert {kind for kind, _ in dg.calls} == {layout}
+    if layout == "contiguous":
+        pool = runner.layout.pool
+        assert all((n == pool) == graph_pool for _, n in dg.calls), (dg.calls, pool)
+    ref = moe_reference_distributed(problem, None)
+    verdict = check_output(y, ref, problem.topk_idx, shape.intermediate, None)
+    assert verdict.layer < 2e-2 and verdict.worst_token < 0.1, verdict.describe()

@@ -100,10 +100,11 @@ class _DeepGEMMRunner(_Runner):
 
     def _experts_deepgemm(self, block_expert, seg_end, counts) -> None:
         L, p, dg = self.layout, self.problem, self.dg
-        x, x_sf, weight = self._recv_views()
+        _, x_sf, weight = self._recv_views()
         pos = self.pool_pos.reshape(-1)
         src = self.src_row.reshape(-1).long()
-        self.x_pool.view(torch.uint8).index_copy_(0, pos, x[src, : L.H].view(torch.uint8))
+        # Rows move as 4- and 8-byte words: index copies take one element per thread.
+        self.x_pool.view(torch.int32).index_copy_(0, pos, self.recv.view(torch.int32)[src, : L.H // 4])
         self.xs_pool.index_copy_(0, pos, x_sf[src])
         self.w_pool.index_copy_(0, pos, weight[src])
         # Eager prefill sizes the GEMMs to the filled segments, as engines do (one read of the
@@ -128,7 +129,7 @@ class _DeepGEMMRunner(_Runner):
         else:
             dg.m_grouped_fp8_gemm_nt_contiguous((self.act[pool], self.act_sf[pool]), (p.w2, p.w2_sf),
                                                 self.out[pool], self.m_indices[pool])
-        self.cout.index_copy_(0, src, self.out[pos])
+        self.cout.view(torch.int64).index_copy_(0, src, self.out.view(torch.int64)[pos])
 
 
 class DeepGEMMBackend:
