@@ -21,6 +21,12 @@ thread (Ctrl-C, or SIGTERM/SIGHUP turned into one by the CLI) stops the run
 the same way, after which the rows already measured are appended to
 ``out_path``.
 
+Whatever ends the launcher, torchrun and the ranks end with it (``rundir.die_with_parent``).
+A launcher killed by a signal no program can catch (SIGKILL: the OOM killer, ``timeout -s
+KILL``, a batch scheduler) leaves the rows rank 0 finished in the run folder, with
+``launcher.json`` naming the results file they were for; the next run into that file (and
+``megamoe report`` of it) appends them (``recover_rows``) and says so.
+
 A failed run names the rank that failed first and its cause, from the
 failure records torchrun's agent collects (each rank's exit code or signal
 and its ``@record`` error file); the run folder, with every rank's output in
@@ -51,8 +57,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..errors import MegaMoEError
 from ..layout import BufferConfig
 from .results import append_rows, check_output_path
-from .rundir import (ELASTIC_DIR, ENV_FILE, FAILURES_FILE, FATAL_FILE, LOG_FILE, LOST_CONTACT, PID_FILE, PLAN_FILE,
-                     PROGRESS_FILE, ROWS_FILE, JsonlTail)
+from .rundir import (ELASTIC_DIR, ENV_FILE, FAILURES_FILE, FATAL_FILE, LAUNCHER_FILE, LOG_FILE, LOST_CONTACT,
+                     PARENT_PID_ENV, PID_FILE, PLAN_FILE, PROGRESS_FILE, ROWS_FILE, JsonlTail, process_start_time,
+                     write_text_atomic)
 from .sweep import Point, points_to_json
 
 # Multicast / NVLS stays off on these machines (see SPEC §9); set for every run.
@@ -574,6 +581,75 @@ def _log_tail(log_path: Path) -> str:
 # The run
 
 
+def _write_launcher_file(run_dir: Path, run_id: str, out: Optional[Path], *, done: bool) -> None:
+    """Who runs this folder's run and where its rows go; ``done``: every row it will write is in
+    ``out`` (nothing for ``recover_rows`` to do)."""
+    info = {"pid": os.getpid(), "start": process_start_time(os.getpid()),
+            "run_id": run_id or _read_launcher_file(run_dir).get("run_id", ""),
+            "out": str(out.resolve()) if out is not None else None, "done": done}
+    write_text_atomic(run_dir / LAUNCHER_FILE, json.dumps(info))
+
+
+def _read_launcher_file(run_dir: Path) -> Dict[str, Any]:
+    try:
+        info = json.loads((run_dir / LAUNCHER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _launcher_alive(info: Mapping[str, Any]) -> bool:
+    pid = info.get("pid")
+    if not isinstance(pid, int) or not _alive(pid):
+        return False
+    return info.get("start") is None or process_start_time(pid) == info.get("start")
+
+
+def recover_rows(out_path: Union[str, Path], root: Optional[Union[str, Path]] = None) -> List[str]:
+    """Append to ``out_path`` the rows of runs whose launcher died before it saved them (a
+    signal no program can catch: SIGKILL from the OOM killer, ``timeout -s KILL``, a scheduler).
+    Their run folders (under ``root``, default the temporary folder) say which results file
+    they were for; the rows of a run already in the file are not appended again.  Returns one
+    line per run recovered (or that could not be), naming the rows, the file and the folder."""
+    out = Path(out_path)
+    target = str(out.resolve())
+    base = Path(root) if root is not None else Path(tempfile.gettempdir())
+    try:
+        folders = sorted(p for p in base.glob("megamoe-bench-*") if p.is_dir())
+    except OSError:
+        return []
+    messages = []
+    for folder in folders:
+        info = _read_launcher_file(folder)
+        if info.get("out") != target or info.get("done") or _launcher_alive(info):
+            continue
+        run_id = str(info.get("run_id", ""))
+        for pid in worker_pids(folder).values():  # a rank on a system without a parent-death signal
+            if _alive(pid) and _is_our_worker(pid, folder):
+                _signal(pid, signal.SIGKILL)
+        try:
+            finished = JsonlTail(folder / ROWS_FILE).read()
+        except ValueError:
+            finished = []
+        try:
+            saved = 0
+            if out.exists() and out.stat().st_size:
+                from .results import read_results
+
+                saved = int((read_results(out)["run_id"] == run_id).sum())
+            missing = [row for row in finished[saved:] if row.get("run_id") == run_id]
+            append_rows(out, missing)
+            _write_launcher_file(folder, run_id, out, done=True)
+        except (MegaMoEError, OSError) as exc:
+            messages.append(f"rows of run {run_id} that its launcher (pid {info.get('pid')}) did not save could "
+                            f"not be added to {out}: {exc}; they are in {folder / ROWS_FILE}")
+            continue
+        if missing:
+            messages.append(f"recovered {len(missing)} row(s) of run {run_id} into {out}: its megamoe process (pid "
+                            f"{info.get('pid')}) ended before saving them (run files kept in {folder})")
+    return messages
+
+
 def _new_run_id() -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return f"{stamp}-{uuid.uuid4().hex[:6]}"
@@ -619,13 +695,18 @@ def run_bench(
     device_kind, world_size, note = resolve_device(device, nproc)
     check_points(points, world_size)
     out = Path(out_path) if out_path is not None else None
-    if out is not None:
-        check_output_path(out)
+    warnings = check_output_path(out) if out is not None else []
     total = len(points)
 
     def emit(kind: str, **fields: Any) -> None:
         if on_event is not None:
             on_event(BenchEvent(kind=kind, total=total, **fields))
+
+    if out is not None:
+        for message in recover_rows(out, run_root):
+            emit("info", message=message)
+    for warning in warnings:
+        emit("info", message=f"warning: {warning}")
 
     run_id = _new_run_id()
     plan = {
@@ -644,6 +725,7 @@ def run_bench(
     rows_path = run_dir / ROWS_FILE
     log_path = run_dir / LOG_FILE
     plan_path.write_text(json.dumps(plan, indent=1))
+    _write_launcher_file(run_dir, run_id, out, done=False)
 
     rows: List[Dict[str, Any]] = []
     rows_tail = JsonlTail(rows_path)
@@ -695,7 +777,7 @@ def run_bench(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=run_environment(env),
+            env={**run_environment(env), PARENT_PID_ENV: str(os.getpid())},
             start_new_session=True,
         )
         processes = RunProcesses(proc, run_dir, world_size)
@@ -736,7 +818,9 @@ def run_bench(
         kept = keep_run_dir or failed > 0
         if failed:
             message += f" (run files kept in {run_dir}: torchrun.log holds every rank's output and tracebacks)"
-        if not kept:
+        if kept:
+            _write_launcher_file(run_dir, run_id, out, done=True)
+        else:
             shutil.rmtree(run_dir, ignore_errors=True)
         return BenchResult(
             STATUS_OK, message, rows, device_kind, world_size, run_id, out,
@@ -763,6 +847,7 @@ def run_bench(
     if not_run:
         message += f"; {not_run} later point(s) not run"
     message += f" (run files kept in {run_dir}: torchrun.log holds every rank's output and tracebacks)"
+    _write_launcher_file(run_dir, run_id, out, done=True)
     emit("error", message=message)
     return BenchResult(
         STATUS_FAILED, message, rows, device_kind, world_size, run_id, out, run_dir, total, returncode
@@ -782,6 +867,11 @@ def _stop_run(exc: BaseException, proc: subprocess.Popen, processes: RunProcesse
         take_rows()
     except Exception as error:  # the interruption stays what the caller sees
         lost = f"; rows after the first {len(rows)} not saved: {error}"
+    if not lost:
+        try:
+            _write_launcher_file(run_dir, "", out, done=True)
+        except OSError:
+            pass
     if isinstance(exc, KeyboardInterrupt):
         where = f", in {out}" if out is not None and rows else ""
         if lost:  # the rows that did not reach ``out`` are still in the run folder's rows.jsonl

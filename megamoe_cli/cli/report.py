@@ -47,11 +47,16 @@ def report(results_file, markdown, as_json, plot_path):
     if target is not None:
         check_plot_target(target)
     path = Path(results_file)
+    console = stderr_console()
+    if path.suffix.lower() in (".csv", ".jsonl", ".parquet") and (path.is_file() or not path.exists()):
+        from ..bench.launcher import recover_rows
+
+        for message in recover_rows(path):
+            console.print(message, style="yellow", highlight=False, markup=False)
     frame = read_results(path)
     if frame.empty:
         raise MegaMoEError(f"{path}: no result rows")
     view = summary(frame)
-    console = stderr_console()
 
     if as_json:
         json.dump([{k: plain(v) for k, v in row.items()} for row in view.to_dict("records")], sys.stdout, indent=2)
