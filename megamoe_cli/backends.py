@@ -26,6 +26,9 @@ BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)
 
 # Backends whose code is sm_90a (the fused kernel): they run on Hopper GPUs only.
 HOPPER_ONLY = frozenset({"fused", "fused-graph"})
+# Backends that need a CUDA GPU of any kind (CUDA graphs, GPU-only kernels); runs on CPU ranks refuse
+# them before any rank starts.
+CUDA_ONLY = HOPPER_ONLY | {"torch-graph"}
 
 # The unfused layers a user could run instead of the fused one: a speed-up is taken against the
 # fastest of them measured at the same point (bench.compare).

@@ -32,7 +32,11 @@ failure records torchrun's agent collects (each rank's exit code or signal
 and its ``@record`` error file); the run folder, with every rank's output in
 ``torchrun.log``, is kept and named.  A clean run's folder is removed.
 
-Imports: ``results``, ``rundir``, ``sweep`` (module level); ``envinfo`` (inside a function).
+Before anything starts, ``check_points``, ``check_backends`` and ``check_memory`` refuse what
+cannot run: a backend this machine lacks, a point whose memory (the estimate ``megamoe sizes``
+prints, on a GPU; a per-backend model, on CPU ranks) exceeds what the ranks have.
+
+Imports: ``results``, ``rundir``, ``sweep`` (module level); ``envinfo``, ``metrics`` (inside functions).
 The launcher starts ``bench.worker`` by module name and reads what it writes through
 ``bench.rundir``, so neither imports the other.
 """
@@ -141,9 +145,12 @@ def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
         raise MegaMoEError(f"device must be auto, cuda or cpu, got {device!r}")
     if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
         raise MegaMoEError(f"the number of ranks must be a positive integer, got {nproc!r}")
-    import torch
+    if device == "cpu" or (device == "auto" and no_nvidia_driver()):
+        num_gpus = 0  # known without importing torch (seconds), so refusals on CPU machines come at once
+    else:
+        import torch
 
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and num_gpus == 0:
         raise MegaMoEError("device cuda was asked for, but torch sees no CUDA device")
     if device == "cuda" or (device == "auto" and num_gpus > 0):
@@ -154,6 +161,12 @@ def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
     ranks = nproc or CPU_RANKS
     why = "no CUDA device found, so " if device == "auto" else ""
     return "cpu", ranks, f"{why}running {ranks} CPU rank(s) with gloo; times are not GPU times"
+
+
+def no_nvidia_driver() -> bool:
+    """No NVIDIA driver is loaded and no NVIDIA device node exists: torch would see no CUDA
+    device.  (With a driver, only torch can say which devices a process may use.)"""
+    return not os.path.exists("/proc/driver/nvidia") and not any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def fused_unavailable(device_kind: str, world_size: int) -> Optional[str]:
@@ -174,8 +187,13 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
     """Refuse, before any rank starts, a backend this machine cannot run, saying why (the
     ranks would otherwise start, build and fail at every such point).  The fused kernel is
     sm_90a code: it runs on Hopper GPUs only."""
-    from ..backends import HOPPER_ONLY
+    from ..backends import CUDA_ONLY, HOPPER_ONLY
 
+    if device_kind != "cuda":
+        cuda = sorted({p.backend for p in points} & (CUDA_ONLY - HOPPER_ONLY))
+        if cuda:
+            raise MegaMoEError(f"backend {' and '.join(cuda)} needs a CUDA GPU, and this run is on CPU ranks; "
+                               "leave it out, or run on a machine with a GPU")
     names = sorted({p.backend for p in points} & HOPPER_ONLY)
     if not names:
         return
@@ -231,6 +249,88 @@ def estimate_cpu_seconds(points: Sequence[Point], world_size: int) -> float:
         check = call_s("reference") if point.check else 0.0
         total += CPU_POINT_S + slowdown * (prepare + calls * call_s(point.backend) + check)
     return total
+
+
+# What one CPU rank holds, measured on the CPU test machine (peak resident memory): the
+# interpreter with torch and gloo; per expert weight on the rank (generated in FP32, then
+# quantized); per token, per byte of top-k x (hidden + 2 x intermediate) (the routed rows through
+# both GEMMs, and the reference's check of them).
+CPU_RANK_BYTES = 350 * 2 ** 20
+CPU_BYTES_PER_WEIGHT = 4.5
+CPU_BYTES_PER_ROUTED_ELEMENT = {"reference": 10, "torch": 16}
+
+
+def memory_needed(shape, ranks: int, tokens: int, block_m: Optional[int] = None):
+    """``(layout, weight_bytes)``: one rank's symmetric buffer for ``tokens`` per rank and its
+    experts' weights: what ``megamoe sizes`` prints and checks against the GPU's memory."""
+    from ..layout import build_layout
+    from .metrics import expert_weight_bytes
+
+    extra = {"block_m": block_m} if block_m is not None else {}
+    layout = build_layout(BufferConfig(num_ranks=ranks, num_max_tokens_per_rank=tokens, shape=shape, **extra))
+    return layout, shape.num_experts // ranks * expert_weight_bytes(shape)
+
+
+def point_bytes(point: Point, device_kind: str, world_size: int) -> int:
+    """About how much memory one rank needs for ``point``: on a GPU, ``memory_needed``'s buffer
+    and weights; on a CPU rank, the model above."""
+    shape = point.shape
+    tokens = max(point.num_max_tokens_per_rank, max(point.tokens_for_rank(r, world_size) for r in range(world_size)))
+    if device_kind == "cuda":
+        layout, weights = memory_needed(shape, world_size, tokens, point.block_m)
+        return layout.total_bytes + weights
+    local_weights = max(1, shape.num_experts // world_size) * 3 * shape.hidden * shape.intermediate
+    per_element = CPU_BYTES_PER_ROUTED_ELEMENT.get(point.backend, CPU_BYTES_PER_ROUTED_ELEMENT["torch"])
+    routed = tokens * shape.num_topk * (shape.hidden + 2 * shape.intermediate)
+    return int(CPU_RANK_BYTES + CPU_BYTES_PER_WEIGHT * local_weights + per_element * routed)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.3g} GiB"
+
+
+def _available_cpu_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gpu_memory(world_size: int) -> Tuple[int, str]:
+    import torch
+
+    sizes = [(torch.cuda.get_device_properties(i).total_memory, i) for i in range(world_size)]
+    memory, index = min(sizes)
+    return memory, f"GPU {index} ({torch.cuda.get_device_name(index)})"
+
+
+def check_memory(points: Sequence[Point], device_kind: str, world_size: int, tokens_name: str = "num_tokens") -> None:
+    """Refuse, before any rank starts, a point the ranks' memory cannot hold, naming the tokens
+    (``tokens_name``: how the caller spells them, e.g. ``--tokens``) and where the limit comes
+    from: the GPU's memory, or the memory this machine has available for its CPU ranks."""
+    if not points:
+        return
+    sized = [(point_bytes(p, device_kind, world_size), i, p) for i, p in enumerate(points)]
+    need, index, point = max(sized, key=lambda item: item[0])
+    tokens = point.num_tokens if isinstance(point.num_tokens, int) else list(point.num_tokens)
+    where = f"{tokens_name} {tokens}: point {index} ({point.describe()})"
+    if device_kind == "cuda":
+        memory, gpu = _gpu_memory(world_size)
+        if need > memory:
+            raise MegaMoEError(
+                f"{where} needs about {_gib(need)} per GPU (its symmetric buffer and expert weights, as `megamoe "
+                f"sizes --ranks {world_size} --tokens {point.num_max_tokens_per_rank}` prints), more than the "
+                f"{_gib(memory)} of {gpu}; lower {tokens_name} or add ranks")
+        return
+    available = _available_cpu_bytes()
+    if available is not None and need * world_size > available:
+        raise MegaMoEError(
+            f"{where} needs about {_gib(need)} per CPU rank ({_gib(need * world_size)} for {world_size} ranks), more "
+            f"than the {_gib(available)} this machine has available (MemAvailable); lower {tokens_name}")
 
 
 def check_points(points: Sequence[Point], world_size: int) -> None:
@@ -694,8 +794,11 @@ def run_bench(
     points = list(points)
     device_kind, world_size, note = resolve_device(device, nproc)
     check_points(points, world_size)
+    check_backends(points, device_kind, world_size)
+    check_memory(points, device_kind, world_size)
     out = Path(out_path) if out_path is not None else None
-    warnings = check_output_path(out) if out is not None else []
+    if out is not None:
+        check_output_path(out)  # the caller says what it warns of (the CLI prints it before the run)
     total = len(points)
 
     def emit(kind: str, **fields: Any) -> None:
@@ -705,8 +808,6 @@ def run_bench(
     if out is not None:
         for message in recover_rows(out, run_root):
             emit("info", message=message)
-    for warning in warnings:
-        emit("info", message=f"warning: {warning}")
 
     run_id = _new_run_id()
     plan = {

@@ -301,6 +301,18 @@ def check_row(row: Row, path: Union[str, Path] = "results") -> None:
             raise refuse(column, "must be a number")
 
 
+def row_as_object(row: Row) -> Dict[str, Any]:
+    """A row for ``--json``: NaN as null and ``config`` (JSON text in files) as the object it holds."""
+    out = {k: _clean(v) for k, v in row.items()}
+    config = out.get("config")
+    if isinstance(config, str):
+        try:
+            out["config"] = json.loads(config)
+        except ValueError:
+            pass
+    return out
+
+
 def _csv_cell(value: Any) -> str:
     value = _clean(value)
     if value is None:
