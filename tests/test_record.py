@@ -60,7 +60,7 @@ def test_a_record_of_the_cpu_smoke_sweep_is_a_folder_with_its_rows_metadata_tabl
         (["--sweep", str(SMOKE), "--device", "cpu", "--ranks", "4"], ["point 4 (reference small num_tokens=[0, 8]): "
                                                                       "num_tokens gives 2 per-rank counts; the run "
                                                                       "has 4 ranks"]),
-        (["--sweep", str(SMOKE), "--device", "cpu", "--ranks", "0"], ["the number of ranks must be a positive"]),
+        (["--sweep", str(SMOKE), "--device", "cpu", "--ranks", "0"], ["'--ranks'", "0 is not in the range x>=1"]),
     ],
 )
 def test_what_cannot_run_here_is_refused_before_any_rank_starts_and_leaves_no_folder(tmp_path, args, fragments):

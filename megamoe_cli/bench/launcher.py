@@ -189,13 +189,12 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
     sm_90a code: it runs on Hopper GPUs only."""
     from ..backends import CUDA_ONLY, HOPPER_ONLY
 
-    if device_kind != "cuda":
-        cuda = sorted({p.backend for p in points} & (CUDA_ONLY - HOPPER_ONLY))
-        if cuda:
+    names = sorted({p.backend for p in points} & HOPPER_ONLY)
+    cuda = sorted({p.backend for p in points} & (CUDA_ONLY - HOPPER_ONLY))
+    if not names:
+        if cuda and device_kind != "cuda":
             raise MegaMoEError(f"backend {' and '.join(cuda)} needs a CUDA GPU, and this run is on CPU ranks; "
                                "leave it out, or run on a machine with a GPU")
-    names = sorted({p.backend for p in points} & HOPPER_ONLY)
-    if not names:
         return
     which = " and ".join(names)
     problem = fused_unavailable(device_kind, world_size)
@@ -794,7 +793,6 @@ def run_bench(
     points = list(points)
     device_kind, world_size, note = resolve_device(device, nproc)
     check_points(points, world_size)
-    check_backends(points, device_kind, world_size)
     check_memory(points, device_kind, world_size)
     out = Path(out_path) if out_path is not None else None
     if out is not None:
