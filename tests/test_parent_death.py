@@ -177,3 +177,51 @@ def test_ranks_die_with_torchrun_killed_outright(bench_run):
     assert "run stopped at point 2 of 3" in stderr
     assert list(read_results(out)["num_tokens"]) == [4, 8, 16]
     assert list(read_results(out)["status"]) == ["ok", "ok", "failed"]
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid, None
+
+
+def _folder(root, name, run_id, out, rows, pid, start, done=False):
+    from megamoe_cli.bench.results import row_to_json
+
+    folder = root / f"megamoe-bench-{name}"
+    folder.mkdir()
+    (folder / rundir.LAUNCHER_FILE).write_text(json.dumps(
+        {"pid": pid, "start": start, "run_id": run_id, "out": str(out.resolve()), "done": done}))
+    (folder / rundir.ROWS_FILE).write_text("".join(row_to_json(r) + "\n" for r in rows))
+    return folder
+
+
+def test_recovery_appends_only_what_a_dead_launcher_did_not_save(tmp_path):
+    from megamoe_cli.bench.results import append_rows, make_row
+    from megamoe_cli.bench.sweep import sweep_from_flags
+
+    points = sweep_from_flags(num_tokens=[1, 2, 4], backends=["torch"], preset="small").points
+
+    def rows(run_id):
+        return [make_row(p, run_id=run_id, world_size=2, device="cpu", env={}, status="ok") for p in points]
+
+    out, other = tmp_path / "r.csv", tmp_path / "other.csv"
+    append_rows(out, rows("dead")[:1])  # the launcher saved the first row, then was killed
+    dead, _ = _dead_pid()
+    me = os.getpid()
+    killed = _folder(tmp_path, "killed", "dead", out, rows("dead"), dead, None)
+    _folder(tmp_path, "running", "alive", out, rows("alive"), me, rundir.process_start_time(me))
+    _folder(tmp_path, "finished", "done", out, rows("done"), dead, None, done=True)
+    _folder(tmp_path, "elsewhere", "other", other, rows("other"), dead, None)
+
+    (message,) = recover_rows(out, tmp_path)
+    assert message == (f"recovered 2 row(s) of run dead into {out}: its megamoe process (pid {dead}) ended before "
+                       f"saving them (run files kept in {killed})")
+    frame = read_results(out)
+    assert list(frame["run_id"]) == ["dead"] * 3 and list(frame["num_tokens"]) == [1, 2, 4]
+    assert recover_rows(out, tmp_path) == []  # once
+    assert not other.exists()  # each run's rows go to its own file only
+    # A launcher whose pid now names another process (a reused pid) is dead too.
+    reused = _folder(tmp_path, "reused", "reused", out, rows("reused"), me, -1)
+    (message,) = recover_rows(out, tmp_path)
+    assert message.startswith("recovered 3 row(s) of run reused") and str(reused) in message

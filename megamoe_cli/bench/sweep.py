@@ -39,6 +39,7 @@ from ..errors import MegaMoEError
 from ..layout import PRESETS, WEIGHT_FORMATS, BufferConfig, MoEShape
 
 SHAPE_KEYS = ("hidden", "intermediate", "num_experts", "num_topk")
+INT64_MAX = 2 ** 63 - 1
 # The expert weights' format and the SwiGLU clamp: a preset's own unless the shape entry says
 WEIGHT_KEYS = ("weights", "activation_clamp")
 
@@ -274,6 +275,8 @@ class Checker:
             raise self.fail(path, f"expected an integer >= {minimum}, got {_kind(value)}")
         if value < minimum:
             raise self.fail(path, f"expected an integer >= {minimum}, got {value}")
+        if value > INT64_MAX:  # every count lands in a results column, which holds 64 bits
+            raise self.fail(path, f"expected an integer of at most 2**63 - 1 (a results column's 64 bits), got {value}")
         return value
 
     def boolean(self, value: Any, path: Tuple) -> bool:
