@@ -43,6 +43,7 @@ The launcher starts ``bench.worker`` by module name and reads what it writes thr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -722,31 +723,58 @@ def recover_rows(out_path: Union[str, Path], root: Optional[Union[str, Path]] = 
         info = _read_launcher_file(folder)
         if info.get("out") != target or info.get("done") or _launcher_alive(info):
             continue
-        run_id = str(info.get("run_id", ""))
-        for pid in worker_pids(folder).values():  # a rank on a system without a parent-death signal
-            if _alive(pid) and _is_our_worker(pid, folder):
-                _signal(pid, signal.SIGKILL)
-        try:
-            finished = JsonlTail(folder / ROWS_FILE).read()
-        except ValueError:
-            finished = []
-        try:
-            saved = 0
-            if out.exists() and out.stat().st_size:
-                from .results import read_results
-
-                saved = int((read_results(out)["run_id"] == run_id).sum())
-            missing = [row for row in finished[saved:] if row.get("run_id") == run_id]
-            append_rows(out, missing)
-            _write_launcher_file(folder, run_id, out, done=True)
-        except (MegaMoEError, OSError) as exc:
-            messages.append(f"rows of run {run_id} that its launcher (pid {info.get('pid')}) did not save could "
-                            f"not be added to {out}: {exc}; they are in {folder / ROWS_FILE}")
-            continue
-        if missing:
-            messages.append(f"recovered {len(missing)} row(s) of run {run_id} into {out}: its megamoe process (pid "
-                            f"{info.get('pid')}) ended before saving them (run files kept in {folder})")
+        with _folder_lock(folder) as locked:
+            info = _read_launcher_file(folder)  # another command may have recovered it meanwhile
+            message = _recover_run(folder, info, out) if locked and not info.get("done") else None
+        if message:
+            messages.append(message)
     return messages
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive lock on a run folder (True when held): two commands reading the same results
+    file at once recover a run's rows once."""
+    import fcntl
+
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _recover_run(folder: Path, info: Mapping[str, Any], out: Path) -> Optional[str]:
+    """Append the rows of ``folder``'s run that ``out`` lacks; the line that says so (None: none)."""
+    run_id = str(info.get("run_id", ""))
+    for pid in worker_pids(folder).values():  # a rank on a system without a parent-death signal
+        if _alive(pid) and _is_our_worker(pid, folder):
+            _signal(pid, signal.SIGKILL)
+    try:
+        finished = JsonlTail(folder / ROWS_FILE).read()
+    except ValueError:
+        finished = []
+    try:
+        saved = 0
+        if out.exists() and out.stat().st_size:
+            from .results import read_results
+
+            saved = int((read_results(out)["run_id"] == run_id).sum())
+        missing = [row for row in finished[saved:] if row.get("run_id") == run_id]
+        append_rows(out, missing)
+        write_text_atomic(folder / LAUNCHER_FILE, json.dumps({**info, "done": True}))
+    except (MegaMoEError, OSError) as exc:
+        return (f"rows of run {run_id} that its launcher (pid {info.get('pid')}) did not save could not be added "
+                f"to {out}: {exc}; they are in {folder / ROWS_FILE}")
+    if not missing:
+        return None
+    return (f"recovered {len(missing)} row(s) of run {run_id} into {out}: its megamoe process (pid {info.get('pid')}) "
+            f"ended before saving them (run files kept in {folder})")
 
 
 def _new_run_id() -> str:
