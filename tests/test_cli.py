@@ -182,6 +182,8 @@ def help_text(*command):
         (["--ranks", "0"], ["'--ranks'", "0 is not in the range x>=1"]),
         (["--block-m", "100"], ["--block-m", "block_m=100 is not supported"]),
         (["--hidden", "-128"], ["'--hidden'", "-128 is not in the range x>=1"]),
+        (["--activation-clamp", "nan"], ["'--activation-clamp'", "expected a finite number >= 0"]),
+        (["--activation-clamp", "-1"], ["'--activation-clamp'", "expected a finite number >= 0"]),
         (["--ranks", "abc"], ["'--ranks'", "not a valid integer", "megamoe sizes --help"]),
         (["--preset", "gpt-5"], ["'--preset'", "gpt-5"]),
         (["--gpu", "A100"], ["unknown GPU 'A100'"]),

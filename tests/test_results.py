@@ -385,6 +385,14 @@ def test_a_row_that_cannot_be_read_back_is_not_written(tmp_path, column, value, 
     assert read_results(path).attrs["warnings"] == []
 
 
+def test_a_csv_saved_with_a_byte_order_mark_reads_as_it_was(tmp_path):
+    path = tmp_path / "r.csv"
+    append_rows(path, [ok_row(points()[0], 1.0, run_id="bom")])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    frame = read_results(path)
+    assert list(frame["run_id"]) == ["bom"] and frame.attrs["warnings"] == []
+
+
 def test_a_fifo_is_refused_by_name_and_nothing_waits_on_it(tmp_path):
     fifo = tmp_path / "r.csv"
     os.mkfifo(fifo)

@@ -365,6 +365,8 @@ def _short(text: Any, limit: int = 40) -> str:
 def _decoded(path: Path, raw: bytes, foreign_hint: str = "") -> str:
     """``raw`` as text; bytes that are not UTF-8 stay as lone surrogates (the rows holding them
     are skipped as damaged), unless they are in the first line: then it is not a results file."""
+    if raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, as spreadsheet programs save CSV
+        raw = raw[3:]
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

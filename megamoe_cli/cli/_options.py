@@ -30,6 +30,23 @@ class IntList(click.ParamType):
         return items
 
 
+class Clamp(click.ParamType):
+    """A SwiGLU clamp: a finite number >= 0 (0: none)."""
+
+    name = "FLOAT"
+
+    def convert(self, value, param, ctx):
+        import math
+
+        try:
+            clamp = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"expected a number, got {value!r}", param, ctx)
+        if not math.isfinite(clamp) or clamp < 0:
+            self.fail(f"expected a finite number >= 0 (0: no clamp), got {value!r}", param, ctx)
+        return clamp
+
+
 class Seconds(click.ParamType):
     """A positive, finite number of seconds (``0``, ``-1``, ``nan`` and ``inf`` are refused: a
     deadline of none is no deadline, and leaving the flag out already means the default)."""
@@ -91,7 +108,7 @@ def shape_options(preset_default: str = "deepseek-v3", multi_weights: bool = Tru
             click.option("--experts", "num_experts", type=click.IntRange(min=1), help="Number of experts."),
             click.option("--topk", "num_topk", type=click.IntRange(min=1), help="Experts per token."),
             click.option("--weights", type=NameList(("fp8", "fp4")), help=weights_help),
-            click.option("--activation-clamp", type=click.FloatRange(min=0),
+            click.option("--activation-clamp", type=Clamp(),
                          help="SwiGLU clamp (gate <= c, -c <= up <= c; 0: none); default: the preset's."),
         ]
         for decorator in reversed(decorators):
