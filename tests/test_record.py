@@ -69,6 +69,19 @@ def test_what_cannot_run_here_is_refused_before_any_rank_starts_and_leaves_no_fo
     assert not folder.exists()
 
 
+def test_a_sweep_past_the_ranks_memory_is_refused_before_any_folder_is_made(tmp_path, monkeypatch):
+    from megamoe_cli.bench import launcher
+
+    monkeypatch.setattr(launcher, "_available_cpu_bytes", lambda: 24 * 2 ** 30)
+    big = tmp_path / "big.yaml"
+    big.write_text("name: big\nshape: {preset: small}\nnum_tokens: [4, 3000000]\nbackends: [torch]\n")
+    folder = tmp_path / "out"
+    assert_one_line_error(run_cli("record", "--sweep", str(big), "--device", "cpu", "--out-dir", str(folder)),
+                          f"{big}: num_tokens 3000000: point 1 (torch small num_tokens=3000000) needs about",
+                          "available (MemAvailable)")
+    assert not folder.exists()
+
+
 def test_a_folder_that_is_a_file_or_a_broken_sweep_is_one_line(tmp_path):
     a_file = tmp_path / "f"
     a_file.write_text("")
