@@ -542,6 +542,7 @@ def test_bench_runs_on_cpu_ranks_and_records_rows(tmp_path):
     row = rows[0]
     assert (row["backend"], row["num_tokens"], row["world_size"], row["status"]) == ("torch", 8, 2, "ok")
     assert row["time_us_median"] > 0
+    assert isinstance(row["config"], dict)  # an object, not JSON text inside the JSON
     assert "running 2 CPU rank(s)" in result.stderr
     assert "rows appended to" in result.stderr
     from megamoe_cli.bench.results import read_results

@@ -41,6 +41,7 @@ def test_a_record_of_the_cpu_smoke_sweep_is_a_folder_with_its_rows_metadata_tabl
     assert meta["files"] == ["cpu_smoke.csv", "cpu_smoke.json", "cpu_smoke.md", "cpu_smoke.png"]
     frame = results.read_results(folder / "cpu_smoke.csv")
     assert len(frame) == 6 and set(frame["run_id"]) == {meta["run_id"]} == {r["run_id"] for r in printed["rows"]}
+    assert all(isinstance(r["config"], dict) for r in printed["rows"])  # objects, not JSON text
     md = (folder / "cpu_smoke.md").read_text()
     assert md.startswith("# cpu_smoke\n") and "`megamoe record --sweep cpu_smoke.yaml` (ok: 6 point(s) measured)" in md
     assert "| backend | shape | tokens/rank |" in md and md.count("| ok |") == 6
