@@ -653,6 +653,14 @@ def test_bench_bad_sweep_file_names_the_line(fake_cpu_run, tmp_path):
     assert not fake_cpu_run.calls
 
 
+def test_bench_ranks_that_cannot_split_a_sweeps_experts_are_named_by_the_flag(fake_cpu_run, tmp_path):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nshape: {preset: small}\nnum_tokens: [1]\nbackends: [torch]\n")
+    assert_one_line_error(run("bench", "--sweep", str(sweep), "--ranks", "3", "--out", str(tmp_path / "r.csv")),
+                          "--ranks", f"3 ranks cannot split the experts evenly: {sweep} has 8 (small)")
+    assert not fake_cpu_run.calls
+
+
 def test_bench_sweep_and_point_flags_conflict(fake_cpu_run, tmp_path):
     sweep = tmp_path / "s.yaml"
     sweep.write_text("name: s\nshape: {preset: small}\nnum_tokens: [1]\nbackends: [torch]\n")

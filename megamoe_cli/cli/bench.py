@@ -130,6 +130,10 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
         from ..bench.sweep import load_sweep
 
         sweep = load_sweep(sweep_file)
+        uneven = next((p for p in sweep.points if p.num_experts % world_size), None)
+        if uneven is not None:
+            raise click.BadParameter(f"{world_size} ranks cannot split the experts evenly: {sweep_file} has "
+                                     f"{uneven.num_experts} ({uneven.shape_label()})", param_hint="--ranks")
     else:
         # The shape flags first, so an impossible shape is named by its flags (and a value
         # that came from the preset says so) before the sweep is built from them.
