@@ -34,6 +34,9 @@ BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)
 # Backends whose code is sm_90a (the fused kernel): they run on Hopper GPUs only.
 HOPPER_ONLY = frozenset({"fused", "fused-graph", "deepgemm", "deepgemm-graph", "deepgemm-fused",
                          "deepgemm-fused-graph"})
+# Backends that need a CUDA GPU of any kind (CUDA graphs, GPU-only kernels); runs on CPU ranks refuse
+# them before any rank starts.
+CUDA_ONLY = HOPPER_ONLY | {"torch-graph", "sglang", "sglang-graph"}
 
 # Peers: backends that run another project's package (megamoe_cli.peers), refused up front where
 # it is not installed.

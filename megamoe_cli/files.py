@@ -52,6 +52,11 @@ def check_writable(path: Path, what: str, *, replaced: bool = False) -> None:
     path = Path(path)
     if path.is_dir():
         raise MegaMoEError(f"{path}: is a directory; expected a {what}")
+    if path.exists() and not path.is_file():
+        # Opening a FIFO for writing waits for a reader; a device is no place for a file.
+        kind = "a FIFO" if path.is_fifo() else "a socket" if path.is_socket() else "a device" if (
+            path.is_char_device() or path.is_block_device()) else "not a regular file"
+        raise MegaMoEError(f"{path}: is {kind}; expected a {what} (a regular file)")
     folder = path.parent
     if not folder.exists():
         raise MegaMoEError(f"{path}: folder {folder} does not exist")

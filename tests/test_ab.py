@@ -17,6 +17,13 @@ from megamoe_cli.bench import ab as lib
 from megamoe_cli.errors import MegaMoEError
 from cli_checks import assert_one_line_error, interrupt, interruptible, run_cli
 
+
+@pytest.fixture(autouse=True)
+def logs_under_tmp_path(tmp_path, monkeypatch):
+    """An A/B that fails keeps its logs (and names them): here, under the test's own folder."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
 REPO = Path(__file__).resolve().parents[1]
 
 

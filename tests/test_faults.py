@@ -400,6 +400,7 @@ def test_a_stop_signal_ends_every_process_of_the_run_and_keeps_its_rows(tmp_path
             time.sleep(0.1)
         (run_dir,) = tmp_path.glob("megamoe-bench-*")
         while len(worker_pids(run_dir)) < 2:
+            assert time.monotonic() < deadline, "the ranks never wrote their pid files"
             time.sleep(0.1)
         run = processes_mentioning(str(run_dir))
         ranks = set(worker_pids(run_dir).values())
@@ -438,7 +439,11 @@ def test_a_signal_while_torchrun_starts_is_held_until_its_pid_is_recorded():
         held = launcher.SignalsHeld()
         with held:
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)  # a Python handler runs between bytecodes: here, if it were not held
+            # The handler runs between bytecodes of this loop: it ends once the signal is held,
+            # and the caller's handler, had it run instead, would have raised out of it.
+            deadline = time.monotonic() + 10
+            while not held.held:
+                assert time.monotonic() < deadline, "the signal never arrived"
             survived = True
         assert survived and caught == []
         assert signal.getsignal(signal.SIGTERM) is stop  # the caller's handler is back
@@ -453,7 +458,7 @@ def test_a_signal_while_torchrun_starts_is_held_until_its_pid_is_recorded():
 # Results files torn by a crash mid-write
 
 
-def test_a_torn_jsonl_results_line_is_named_and_the_rows_around_it_survive(tmp_path):
+def test_a_torn_jsonl_results_line_is_skipped_with_a_warning_and_the_rows_around_it_survive(tmp_path):
     points = load_sweep_text(SWEEP).points
     path = tmp_path / "r.jsonl"
     append_rows(path, [make_row(p, run_id="r1", world_size=2, device="cpu", env={}, status="ok") for p in points])
@@ -461,16 +466,15 @@ def test_a_torn_jsonl_results_line_is_named_and_the_rows_around_it_survive(tmp_p
         f.write('{"run_id": "r2", "sta')
     append_rows(path, [make_row(points[0], run_id="r3", world_size=2, device="cpu", env={}, status="ok")])
 
-    with pytest.raises(MegaMoEError, match=rf"^{re.escape(str(path))}:3: not a JSON row"):
-        read_results(path)
+    frame = read_results(path)
+    assert list(frame["run_id"]) == ["r1", "r1", "r3"]
+    assert frame.attrs["warnings"] == [f"{path}: 1 damaged row(s) skipped (line 3: not JSON (Unterminated string "
+                                       "starting at))"]
     result = CliRunner().invoke(main, ["report", str(path)])
-    assert result.exit_code == 2
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith(f"error: {path}:3: not a JSON row")
-
-    lines = path.read_text().splitlines()
-    path.write_text("\n".join(lines[:2] + lines[3:]) + "\n")
-    assert list(read_results(path)["run_id"]) == ["r1", "r1", "r3"]
+    assert result.exit_code == 0, result.output
+    (line,) = [text for text in result.stderr.splitlines() if "damaged" in text]
+    assert line.startswith(f"warning: {path}: 1 damaged row(s) skipped (line 3: not JSON")
+    assert result.stdout.count(" r3 ") == 1 and result.stdout.count(" r1 ") == 2
 
 
 # JIT builds killed midway while another process waits

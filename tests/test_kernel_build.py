@@ -60,6 +60,7 @@ def test_default_choices_cover_every_block_m_and_fit_shared_memory():
 
 @pytest.mark.timeout(1200)  # ~40 variants through nvcc on a 2-core machine
 def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))  # ~40 cubins: never into the user's own cache
     variants = chosen_variants()
     # Every supported depth of one shape too, so a tuner's candidates are covered.
     shape = PRESETS["deepseek-v3"]

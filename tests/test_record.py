@@ -41,6 +41,7 @@ def test_a_record_of_the_cpu_smoke_sweep_is_a_folder_with_its_rows_metadata_tabl
     assert meta["files"] == ["cpu_smoke.csv", "cpu_smoke.json", "cpu_smoke.md", "cpu_smoke.png"]
     frame = results.read_results(folder / "cpu_smoke.csv")
     assert len(frame) == 6 and set(frame["run_id"]) == {meta["run_id"]} == {r["run_id"] for r in printed["rows"]}
+    assert all(isinstance(r["config"], dict) for r in printed["rows"])  # objects, not JSON text
     md = (folder / "cpu_smoke.md").read_text()
     assert md.startswith("# cpu_smoke\n") and "`megamoe record --sweep cpu_smoke.yaml` (ok: 6 point(s) measured)" in md
     assert "| backend | shape | tokens/rank |" in md and md.count("| ok |") == 6
@@ -60,12 +61,25 @@ def test_a_record_of_the_cpu_smoke_sweep_is_a_folder_with_its_rows_metadata_tabl
         (["--sweep", str(SMOKE), "--device", "cpu", "--ranks", "4"], ["point 4 (reference small num_tokens=[0, 8]): "
                                                                       "num_tokens gives 2 per-rank counts; the run "
                                                                       "has 4 ranks"]),
-        (["--sweep", str(SMOKE), "--device", "cpu", "--ranks", "0"], ["the number of ranks must be a positive"]),
+        (["--sweep", str(SMOKE), "--device", "cpu", "--ranks", "0"], ["'--ranks'", "0 is not in the range x>=1"]),
     ],
 )
 def test_what_cannot_run_here_is_refused_before_any_rank_starts_and_leaves_no_folder(tmp_path, args, fragments):
     folder = tmp_path / "out"
     assert_one_line_error(run_cli("record", "--out-dir", str(folder), *args), *fragments)
+    assert not folder.exists()
+
+
+def test_a_sweep_past_the_ranks_memory_is_refused_before_any_folder_is_made(tmp_path, monkeypatch):
+    from megamoe_cli.bench import launcher
+
+    monkeypatch.setattr(launcher, "_available_cpu_bytes", lambda: 24 * 2 ** 30)
+    big = tmp_path / "big.yaml"
+    big.write_text("name: big\nshape: {preset: small}\nnum_tokens: [4, 3000000]\nbackends: [torch]\n")
+    folder = tmp_path / "out"
+    assert_one_line_error(run_cli("record", "--sweep", str(big), "--device", "cpu", "--out-dir", str(folder)),
+                          f"{big}: num_tokens 3000000: point 1 (torch small num_tokens=3000000) needs about",
+                          "available (MemAvailable)")
     assert not folder.exists()
 
 

@@ -226,12 +226,18 @@ def test_flags_default_to_deepseek_v3_with_overrides():
     assert (p.hidden, p.intermediate, p.num_experts, p.num_topk) == (base.hidden, base.intermediate, 128, base.num_topk)
 
 
-def test_flag_errors_name_the_flags_source():
-    with pytest.raises(MegaMoEError, match="^command-line flags: iters: expected an integer >= 1, got 0"):
+def test_flag_errors_name_the_flags():
+    with pytest.raises(MegaMoEError, match="^--iters: expected an integer >= 1, got 0$"):
         sweep_from_flags(num_tokens=[8], backends=["torch"], iters=0)
-    with pytest.raises(MegaMoEError,
-                       match="^command-line flags: calls_per_sample: expected an integer >= 1, got 0$"):
+    with pytest.raises(MegaMoEError, match="^--calls-per-sample: expected an integer >= 1, got 0$"):
         sweep_from_flags(num_tokens=[8], backends=["torch"], calls_per_sample=0)
+    with pytest.raises(MegaMoEError, match=r"^--tokens: expected an integer >= 0, got -1$"):
+        sweep_from_flags(num_tokens=[8, -1], backends=["torch"])
+    with pytest.raises(MegaMoEError, match=r"^--point-timeout: expected a positive number of seconds, got float 0.0$"):
+        sweep_from_flags(num_tokens=[8], backends=["torch"], timeout_s=0.0)
+    # Another caller's spelling, or the keys themselves without one.
+    with pytest.raises(MegaMoEError, match="^command-line flags: iters: expected an integer >= 1, got 0$"):
+        sweep_from_flags(num_tokens=[8], backends=["torch"], iters=0, names={})
 
 
 def test_unknown_backend_lists_valid_names():

@@ -21,18 +21,29 @@ thread (Ctrl-C, or SIGTERM/SIGHUP turned into one by the CLI) stops the run
 the same way, after which the rows already measured are appended to
 ``out_path``.
 
+Whatever ends the launcher, torchrun and the ranks end with it (``rundir.die_with_parent``).
+A launcher killed by a signal no program can catch (SIGKILL: the OOM killer, ``timeout -s
+KILL``, a batch scheduler) leaves the rows rank 0 finished in the run folder, with
+``launcher.json`` naming the results file they were for; the next run into that file (and
+``megamoe report`` of it) appends them (``recover_rows``) and says so.
+
 A failed run names the rank that failed first and its cause, from the
 failure records torchrun's agent collects (each rank's exit code or signal
 and its ``@record`` error file); the run folder, with every rank's output in
 ``torchrun.log``, is kept and named.  A clean run's folder is removed.
 
-Imports: ``results``, ``rundir``, ``sweep`` (module level); ``envinfo`` (inside a function).
+Before anything starts, ``check_points``, ``check_backends`` and ``check_memory`` refuse what
+cannot run: a backend this machine lacks, a point whose memory (the estimate ``megamoe sizes``
+prints, on a GPU; a per-backend model, on CPU ranks) exceeds what the ranks have.
+
+Imports: ``results``, ``rundir``, ``sweep`` (module level); ``envinfo``, ``metrics`` (inside functions).
 The launcher starts ``bench.worker`` by module name and reads what it writes through
 ``bench.rundir``, so neither imports the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -51,8 +62,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..errors import MegaMoEError
 from ..layout import BufferConfig
 from .results import append_rows, check_output_path
-from .rundir import (ELASTIC_DIR, ENV_FILE, FAILURES_FILE, FATAL_FILE, LOG_FILE, LOST_CONTACT, PID_FILE, PLAN_FILE,
-                     PROGRESS_FILE, ROWS_FILE, JsonlTail)
+from .rundir import (ELASTIC_DIR, ENV_FILE, FAILURES_FILE, FATAL_FILE, LAUNCHER_FILE, LOG_FILE, LOST_CONTACT,
+                     PARENT_PID_ENV, PID_FILE, PLAN_FILE, PROGRESS_FILE, ROWS_FILE, JsonlTail, process_start_time,
+                     write_text_atomic)
 from .sweep import Point, points_to_json
 
 # Multicast / NVLS stays off on these machines (see SPEC §9); set for every run.
@@ -134,9 +146,12 @@ def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
         raise MegaMoEError(f"device must be auto, cuda or cpu, got {device!r}")
     if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
         raise MegaMoEError(f"the number of ranks must be a positive integer, got {nproc!r}")
-    import torch
+    if device == "cpu" or (device == "auto" and no_nvidia_driver()):
+        num_gpus = 0  # known without importing torch (seconds), so refusals on CPU machines come at once
+    else:
+        import torch
 
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and num_gpus == 0:
         raise MegaMoEError("device cuda was asked for, but torch sees no CUDA device")
     if device == "cuda" or (device == "auto" and num_gpus > 0):
@@ -147,6 +162,12 @@ def resolve_device(device: str, nproc: Optional[int]) -> Tuple[str, int, str]:
     ranks = nproc or CPU_RANKS
     why = "no CUDA device found, so " if device == "auto" else ""
     return "cpu", ranks, f"{why}running {ranks} CPU rank(s) with gloo; times are not GPU times"
+
+
+def no_nvidia_driver() -> bool:
+    """No NVIDIA driver is loaded and no NVIDIA device node exists: torch would see no CUDA
+    device.  (With a driver, only torch can say which devices a process may use.)"""
+    return not os.path.exists("/proc/driver/nvidia") and not any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def fused_unavailable(device_kind: str, world_size: int) -> Optional[str]:
@@ -167,7 +188,7 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
     """Refuse, before any rank starts, a backend this machine cannot run, saying why (the
     ranks would otherwise start, build and fail at every such point).  The fused kernel is
     sm_90a code: it runs on Hopper GPUs only."""
-    from ..backends import HOPPER_ONLY
+    from ..backends import CUDA_ONLY, HOPPER_ONLY
     from ..peers import unavailable
 
     for name in sorted({p.backend for p in points}):
@@ -175,7 +196,11 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
         if missing:
             raise MegaMoEError(missing)
     names = sorted({p.backend for p in points} & HOPPER_ONLY)
+    cuda = sorted({p.backend for p in points} & (CUDA_ONLY - HOPPER_ONLY))
     if not names:
+        if cuda and device_kind != "cuda":
+            raise MegaMoEError(f"backend {' and '.join(cuda)} needs a CUDA GPU, and this run is on CPU ranks; "
+                               "leave it out, or run on a machine with a GPU")
         return
     which = " and ".join(names)
     problem = fused_unavailable(device_kind, world_size)
@@ -229,6 +254,88 @@ def estimate_cpu_seconds(points: Sequence[Point], world_size: int) -> float:
         check = call_s("reference") if point.check else 0.0
         total += CPU_POINT_S + slowdown * (prepare + calls * call_s(point.backend) + check)
     return total
+
+
+# What one CPU rank holds, measured on the CPU test machine (peak resident memory): the
+# interpreter with torch and gloo; per expert weight on the rank (generated in FP32, then
+# quantized); per token, per byte of top-k x (hidden + 2 x intermediate) (the routed rows through
+# both GEMMs, and the reference's check of them).
+CPU_RANK_BYTES = 350 * 2 ** 20
+CPU_BYTES_PER_WEIGHT = 4.5
+CPU_BYTES_PER_ROUTED_ELEMENT = {"reference": 10, "torch": 16}
+
+
+def memory_needed(shape, ranks: int, tokens: int, block_m: Optional[int] = None):
+    """``(layout, weight_bytes)``: one rank's symmetric buffer for ``tokens`` per rank and its
+    experts' weights: what ``megamoe sizes`` prints and checks against the GPU's memory."""
+    from ..layout import build_layout
+    from .metrics import expert_weight_bytes
+
+    extra = {"block_m": block_m} if block_m is not None else {}
+    layout = build_layout(BufferConfig(num_ranks=ranks, num_max_tokens_per_rank=tokens, shape=shape, **extra))
+    return layout, shape.num_experts // ranks * expert_weight_bytes(shape)
+
+
+def point_bytes(point: Point, device_kind: str, world_size: int) -> int:
+    """About how much memory one rank needs for ``point``: on a GPU, ``memory_needed``'s buffer
+    and weights; on a CPU rank, the model above."""
+    shape = point.shape
+    tokens = max(point.num_max_tokens_per_rank, max(point.tokens_for_rank(r, world_size) for r in range(world_size)))
+    if device_kind == "cuda":
+        layout, weights = memory_needed(shape, world_size, tokens, point.block_m)
+        return layout.total_bytes + weights
+    local_weights = max(1, shape.num_experts // world_size) * 3 * shape.hidden * shape.intermediate
+    per_element = CPU_BYTES_PER_ROUTED_ELEMENT.get(point.backend, CPU_BYTES_PER_ROUTED_ELEMENT["torch"])
+    routed = tokens * shape.num_topk * (shape.hidden + 2 * shape.intermediate)
+    return int(CPU_RANK_BYTES + CPU_BYTES_PER_WEIGHT * local_weights + per_element * routed)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.3g} GiB"
+
+
+def _available_cpu_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gpu_memory(world_size: int) -> Tuple[int, str]:
+    import torch
+
+    sizes = [(torch.cuda.get_device_properties(i).total_memory, i) for i in range(world_size)]
+    memory, index = min(sizes)
+    return memory, f"GPU {index} ({torch.cuda.get_device_name(index)})"
+
+
+def check_memory(points: Sequence[Point], device_kind: str, world_size: int, tokens_name: str = "num_tokens") -> None:
+    """Refuse, before any rank starts, a point the ranks' memory cannot hold, naming the tokens
+    (``tokens_name``: how the caller spells them, e.g. ``--tokens``) and where the limit comes
+    from: the GPU's memory, or the memory this machine has available for its CPU ranks."""
+    if not points:
+        return
+    sized = [(point_bytes(p, device_kind, world_size), i, p) for i, p in enumerate(points)]
+    need, index, point = max(sized, key=lambda item: item[0])
+    tokens = point.num_tokens if isinstance(point.num_tokens, int) else list(point.num_tokens)
+    where = f"{tokens_name} {tokens}: point {index} ({point.describe()})"
+    if device_kind == "cuda":
+        memory, gpu = _gpu_memory(world_size)
+        if need > memory:
+            raise MegaMoEError(
+                f"{where} needs about {_gib(need)} per GPU (its symmetric buffer and expert weights, as `megamoe "
+                f"sizes --ranks {world_size} --tokens {point.num_max_tokens_per_rank}` prints), more than the "
+                f"{_gib(memory)} of {gpu}; lower {tokens_name} or add ranks")
+        return
+    available = _available_cpu_bytes()
+    if available is not None and need * world_size > available:
+        raise MegaMoEError(
+            f"{where} needs about {_gib(need)} per CPU rank ({_gib(need * world_size)} for {world_size} ranks), more "
+            f"than the {_gib(available)} this machine has available (MemAvailable); lower {tokens_name}")
 
 
 def check_points(points: Sequence[Point], world_size: int) -> None:
@@ -579,6 +686,102 @@ def _log_tail(log_path: Path) -> str:
 # The run
 
 
+def _write_launcher_file(run_dir: Path, run_id: str, out: Optional[Path], *, done: bool) -> None:
+    """Who runs this folder's run and where its rows go; ``done``: every row it will write is in
+    ``out`` (nothing for ``recover_rows`` to do)."""
+    info = {"pid": os.getpid(), "start": process_start_time(os.getpid()),
+            "run_id": run_id or _read_launcher_file(run_dir).get("run_id", ""),
+            "out": str(out.resolve()) if out is not None else None, "done": done}
+    write_text_atomic(run_dir / LAUNCHER_FILE, json.dumps(info))
+
+
+def _read_launcher_file(run_dir: Path) -> Dict[str, Any]:
+    try:
+        info = json.loads((run_dir / LAUNCHER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _launcher_alive(info: Mapping[str, Any]) -> bool:
+    pid = info.get("pid")
+    if not isinstance(pid, int) or not _alive(pid):
+        return False
+    return info.get("start") is None or process_start_time(pid) == info.get("start")
+
+
+def recover_rows(out_path: Union[str, Path], root: Optional[Union[str, Path]] = None) -> List[str]:
+    """Append to ``out_path`` the rows of runs whose launcher died before it saved them (a
+    signal no program can catch: SIGKILL from the OOM killer, ``timeout -s KILL``, a scheduler).
+    Their run folders (under ``root``, default the temporary folder) say which results file
+    they were for; the rows of a run already in the file are not appended again.  Returns one
+    line per run recovered (or that could not be), naming the rows, the file and the folder."""
+    out = Path(out_path)
+    target = str(out.resolve())
+    base = Path(root) if root is not None else Path(tempfile.gettempdir())
+    try:
+        folders = sorted(p for p in base.glob("megamoe-bench-*") if p.is_dir())
+    except OSError:
+        return []
+    messages = []
+    for folder in folders:
+        info = _read_launcher_file(folder)
+        if info.get("out") != target or info.get("done") or _launcher_alive(info):
+            continue
+        with _folder_lock(folder) as locked:
+            info = _read_launcher_file(folder)  # another command may have recovered it meanwhile
+            message = _recover_run(folder, info, out) if locked and not info.get("done") else None
+        if message:
+            messages.append(message)
+    return messages
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive lock on a run folder (True when held): two commands reading the same results
+    file at once recover a run's rows once."""
+    import fcntl
+
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _recover_run(folder: Path, info: Mapping[str, Any], out: Path) -> Optional[str]:
+    """Append the rows of ``folder``'s run that ``out`` lacks; the line that says so (None: none)."""
+    run_id = str(info.get("run_id", ""))
+    for pid in worker_pids(folder).values():  # a rank on a system without a parent-death signal
+        if _alive(pid) and _is_our_worker(pid, folder):
+            _signal(pid, signal.SIGKILL)
+    try:
+        finished = JsonlTail(folder / ROWS_FILE).read()
+    except ValueError:
+        finished = []
+    try:
+        saved = 0
+        if out.exists() and out.stat().st_size:
+            from .results import read_results
+
+            saved = int((read_results(out)["run_id"] == run_id).sum())
+        missing = [row for row in finished[saved:] if row.get("run_id") == run_id]
+        append_rows(out, missing)
+        write_text_atomic(folder / LAUNCHER_FILE, json.dumps({**info, "done": True}))
+    except (MegaMoEError, OSError) as exc:
+        return (f"rows of run {run_id} that its launcher (pid {info.get('pid')}) did not save could not be added "
+                f"to {out}: {exc}; they are in {folder / ROWS_FILE}")
+    if not missing:
+        return None
+    return (f"recovered {len(missing)} row(s) of run {run_id} into {out}: its megamoe process (pid {info.get('pid')}) "
+            f"ended before saving them (run files kept in {folder})")
+
+
 def _new_run_id() -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return f"{stamp}-{uuid.uuid4().hex[:6]}"
@@ -623,14 +826,19 @@ def run_bench(
     points = list(points)
     device_kind, world_size, note = resolve_device(device, nproc)
     check_points(points, world_size)
+    check_memory(points, device_kind, world_size)
     out = Path(out_path) if out_path is not None else None
     if out is not None:
-        check_output_path(out)
+        check_output_path(out)  # the caller says what it warns of (the CLI prints it before the run)
     total = len(points)
 
     def emit(kind: str, **fields: Any) -> None:
         if on_event is not None:
             on_event(BenchEvent(kind=kind, total=total, **fields))
+
+    if out is not None:
+        for message in recover_rows(out, run_root):
+            emit("info", message=message)
 
     run_id = _new_run_id()
     plan = {
@@ -649,6 +857,7 @@ def run_bench(
     rows_path = run_dir / ROWS_FILE
     log_path = run_dir / LOG_FILE
     plan_path.write_text(json.dumps(plan, indent=1))
+    _write_launcher_file(run_dir, run_id, out, done=False)
 
     rows: List[Dict[str, Any]] = []
     rows_tail = JsonlTail(rows_path)
@@ -700,7 +909,7 @@ def run_bench(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=run_environment(env),
+            env={**run_environment(env), PARENT_PID_ENV: str(os.getpid())},
             start_new_session=True,
         )
         processes = RunProcesses(proc, run_dir, world_size)
@@ -741,7 +950,9 @@ def run_bench(
         kept = keep_run_dir or failed > 0
         if failed:
             message += f" (run files kept in {run_dir}: torchrun.log holds every rank's output and tracebacks)"
-        if not kept:
+        if kept:
+            _write_launcher_file(run_dir, run_id, out, done=True)
+        else:
             shutil.rmtree(run_dir, ignore_errors=True)
         return BenchResult(
             STATUS_OK, message, rows, device_kind, world_size, run_id, out,
@@ -768,6 +979,7 @@ def run_bench(
     if not_run:
         message += f"; {not_run} later point(s) not run"
     message += f" (run files kept in {run_dir}: torchrun.log holds every rank's output and tracebacks)"
+    _write_launcher_file(run_dir, run_id, out, done=True)
     emit("error", message=message)
     return BenchResult(
         STATUS_FAILED, message, rows, device_kind, world_size, run_id, out, run_dir, total, returncode
@@ -787,6 +999,11 @@ def _stop_run(exc: BaseException, proc: subprocess.Popen, processes: RunProcesse
         take_rows()
     except Exception as error:  # the interruption stays what the caller sees
         lost = f"; rows after the first {len(rows)} not saved: {error}"
+    if not lost:
+        try:
+            _write_launcher_file(run_dir, "", out, done=True)
+        except OSError:
+            pass
     if isinstance(exc, KeyboardInterrupt):
         where = f", in {out}" if out is not None and rows else ""
         if lost:  # the rows that did not reach ``out`` are still in the run folder's rows.jsonl

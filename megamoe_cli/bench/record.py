@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from ..errors import MegaMoEError
 from ..files import check_writable
 from .envinfo import ENV_COLUMNS, utc_now
-from .launcher import PACKAGE_ROOT, BenchResult, check_backends, check_points, resolve_device, run_bench
+from .launcher import (PACKAGE_ROOT, BenchResult, check_backends, check_memory, check_points, resolve_device,
+                       run_bench)
 from .results import STATUS_OK, check_output_path
 from .rundir import write_text_atomic
 from .sweep import Sweep, load_sweep, read_sweep_file
@@ -84,7 +85,7 @@ class RecordRun:
 def plan_record(sweep_path: Union[str, os.PathLike, None], folder: Union[str, os.PathLike], *, device: str = "auto",
                 nproc: Optional[int] = None, plot: bool = True) -> RecordPlan:
     """Load the sweep, resolve the ranks, refuse what this machine cannot run (the fused backends
-    off Hopper GPUs) and a folder that already holds a record of this name or cannot take one."""
+    off Hopper GPUs, points past the ranks' memory) and a folder that already holds a record of this name or cannot take one."""
     path = Path(sweep_path) if sweep_path is not None else DEFAULT_SWEEP
     if sweep_path is None and not path.is_file():
         raise MegaMoEError(f"no sweep given and the default {path} is not there; name one with --sweep")
@@ -94,6 +95,7 @@ def plan_record(sweep_path: Union[str, os.PathLike, None], folder: Union[str, os
     check_points(sweep.points, world_size)
     try:
         check_backends(sweep.points, kind, world_size)
+        check_memory(sweep.points, kind, world_size)
     except MegaMoEError as exc:
         raise MegaMoEError(f"{path}: {exc}") from None
     out = Path(folder).expanduser()

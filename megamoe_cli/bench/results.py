@@ -51,7 +51,9 @@ import importlib.util
 import io
 import json
 import math
+import numbers
 import os
+import stat
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -250,15 +252,21 @@ def file_format(path: Union[str, Path]) -> str:
     return FORMATS[suffix]
 
 
-def check_output_path(path: Union[str, Path]) -> None:
+def check_output_path(path: Union[str, Path]) -> List[str]:
     """Fail before a run starts if its results could not be written: an unknown format, a
-    folder, a path that cannot be written, or an existing file that is not a whole results
-    file (a damaged row is named by its line; the run would append after it)."""
+    folder, a FIFO or device, a path that cannot be written, or an existing file that is not a
+    results file.  Returns the warning line of an existing file's damaged rows (the run appends
+    after them; readers skip them), if any."""
     path = Path(path)
     fmt = file_format(path)
+    _check_regular(path, f"{fmt} results file")
     check_writable(path, f"{fmt} results file", replaced=fmt == "parquet")
     if path.exists() and path.stat().st_size:
-        _load(path, foreign_hint="; choose another output file")
+        damage = Damage(path)
+        _typed(_load(path, foreign_hint="; choose another output file", damage=damage), damage)
+        warning = damage.warning()
+        return [warning] if warning else []
+    return []
 
 
 def _clean(value: Any) -> Any:
@@ -272,6 +280,39 @@ def row_to_json(row: Row) -> str:
     return json.dumps({k: _clean(v) for k, v in row.items()}, sort_keys=False)
 
 
+def check_row(row: Row, path: Union[str, Path] = "results") -> None:
+    """Refuse a row a reader could not read back as it was meant (a count no 64-bit integer
+    holds, a time that is not a number, no status or backend): it is not written, so it cannot
+    spoil the file for every later reader."""
+    def refuse(column: str, why: str) -> MegaMoEError:
+        return MegaMoEError(f"{path}: row not written: column {column} {why}, got {_short(row.get(column))!r}")
+
+    for column in IDENTITY_COLUMNS:
+        if not isinstance(row.get(column), str) or not row.get(column):
+            raise refuse(column, "must be a non-empty string")
+    for column in INT_COLUMNS:
+        value = row.get(column)
+        if not _missing(value) and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                    or not -INT64_MAX - 1 <= int(value) <= INT64_MAX):
+            raise refuse(column, "must be an integer that 64 bits hold")
+    for column in FLOAT_COLUMNS:
+        value = row.get(column)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise refuse(column, "must be a number")
+
+
+def row_as_object(row: Row) -> Dict[str, Any]:
+    """A row for ``--json``: NaN as null and ``config`` (JSON text in files) as the object it holds."""
+    out = {k: _clean(v) for k, v in row.items()}
+    config = out.get("config")
+    if isinstance(config, str):
+        try:
+            out["config"] = json.loads(config)
+        except ValueError:
+            pass
+    return out
+
+
 def _csv_cell(value: Any) -> str:
     value = _clean(value)
     if value is None:
@@ -283,78 +324,159 @@ def _csv_cell(value: Any) -> str:
 
 # What makes a file a results file: every row of every version of the schema has these.
 IDENTITY_COLUMNS = ("status", "backend")
-_CUT_ROW_HINT = "delete that line (a writer killed mid-row leaves such a line)"
+# Lines of a damaged file named in its one warning line; the count says how many there were.
+_LINES_NAMED = 5
+INT64_MAX = 2 ** 63 - 1
+
+
+class Damage:
+    """What a reader skipped or could not read in one file, said in one warning line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: List[tuple] = []  # (line, why) of each row skipped
+        self.cells: Dict[str, List[tuple]] = {}  # column -> (line, text) of each cell read as missing
+
+    def row(self, line: int, why: str) -> None:
+        self.rows.append((line, why))
+
+    def cell(self, column: str, line: Optional[int], text: Any) -> None:
+        self.cells.setdefault(column, []).append((line, text))
+
+    def warning(self) -> Optional[str]:
+        parts = []
+        if self.rows:
+            named = "; ".join(f"line {line}: {why}" for line, why in self.rows[:_LINES_NAMED])
+            more = f"; and {len(self.rows) - _LINES_NAMED} more" if len(self.rows) > _LINES_NAMED else ""
+            parts.append(f"{len(self.rows)} damaged row(s) skipped ({named}{more})")
+        for column, found in self.cells.items():
+            line, text = found[0]
+            where = f"line {line}: " if line else ""
+            parts.append(f"{len(found)} value(s) of column {column} read as missing ({where}{_short(text)!r}"
+                         f"{', ...' if len(found) > 1 else ''})")
+        return f"{self.path}: " + "; ".join(parts) if parts else None
+
+
+def _short(text: Any, limit: int = 40) -> str:
+    text = str(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _decoded(path: Path, raw: bytes, foreign_hint: str = "") -> str:
-    """``raw`` as UTF-8 text; bytes that are not name their line."""
+    """``raw`` as text; bytes that are not UTF-8 stay as lone surrogates (the rows holding them
+    are skipped as damaged), unless they are in the first line: then it is not a results file."""
+    if raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, as spreadsheet programs save CSV
+        raw = raw[3:]
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        what = f"byte 0x{raw[exc.start]:02x} at offset {exc.start} is not UTF-8 text"
-        if line == 1:
+        if raw.count(b"\n", 0, exc.start) == 0:
+            what = f"byte 0x{raw[exc.start]:02x} at offset {exc.start} is not UTF-8 text"
             raise MegaMoEError(f"{path}: not a megamoe results file ({what}){foreign_hint}") from None
-        raise MegaMoEError(f"{path}:{line}: {what}; {_CUT_ROW_HINT}") from None
+        return raw.decode("utf-8", errors="surrogateescape")
 
 
-def _csv_records(path: Path, text: str, foreign_hint: str = "") -> tuple:
-    """``(header, rows)`` of a CSV results file; every row has the header's number of fields."""
-    lines = io.StringIO(text, newline="")
-    reader = csv.reader(lines)
+def _not_text(cells: Sequence[str]) -> bool:
+    return any("\udc80" <= ch <= "\udcff" for cell in cells for ch in cell)
+
+
+def _csv_records(path: Path, text: str, foreign_hint: str = "", damage: Optional[Damage] = None) -> tuple:
+    """``(header, rows, lines)`` of a CSV results file: every row has the header's number of
+    fields; a row that does not (a writer killed mid-row), that is not CSV, or that holds bytes
+    that are not text is skipped and noted in ``damage``."""
+    damage = damage if damage is not None else Damage(path)
+    source = iter(io.StringIO(text, newline=""))
     header: Optional[List[str]] = None
     rows: List[List[str]] = []
-    start = 1
-    try:
-        for record in reader:
-            if header is None:
-                header = record
-                if not set(IDENTITY_COLUMNS) <= set(header):
-                    raise MegaMoEError(f"{path}: not a megamoe results file (its first line has no "
-                                       f"{'/'.join(IDENTITY_COLUMNS)} columns){foreign_hint}")
-            elif record and len(record) != len(header):
-                raise MegaMoEError(f"{path}:{start}: a row of {len(record)} fields, the header has "
-                                   f"{len(header)}; {_CUT_ROW_HINT}")
-            elif record:
-                rows.append(record)
-            start = reader.line_num + 1
-    except csv.Error as exc:
-        raise MegaMoEError(f"{path}:{start}: not a CSV row ({exc}); {_CUT_ROW_HINT}") from None
-    return header or [], rows
+    lines: List[int] = []
+    consumed = 0  # physical lines the readers took before the current one
+    while True:
+        reader = csv.reader(source)
+        start = consumed + 1
+        try:
+            for record in reader:
+                if header is None:
+                    header = record
+                    if not set(IDENTITY_COLUMNS) <= set(header):
+                        raise MegaMoEError(f"{path}: not a megamoe results file (its first line has no "
+                                           f"{'/'.join(IDENTITY_COLUMNS)} columns){foreign_hint}")
+                elif not record:
+                    pass
+                elif len(record) != len(header):
+                    damage.row(start, f"{len(record)} fields, the header has {len(header)}")
+                elif _not_text(record):
+                    damage.row(start, "bytes that are not UTF-8 text")
+                elif record == header:
+                    damage.row(start, "the header again")
+                else:
+                    rows.append(record)
+                    lines.append(start)
+                start = consumed + reader.line_num + 1
+        except csv.Error as exc:
+            damage.row(consumed + reader.line_num, f"not a CSV row ({exc})")
+            consumed += reader.line_num
+            continue
+        break
+    return header or [], rows, lines
 
 
 def _csv_header(path: Path) -> List[str]:
     with open(path, "rb") as f:
         first = f.readline()
-    header, _ = _csv_records(path, _decoded(path, first))
+    header, _, _ = _csv_records(path, _decoded(path, first))
     return header
 
 
-def _jsonl_records(path: Path, text: str, foreign_hint: str = "") -> List[Dict[str, Any]]:
-    records = []
+def _jsonl_records(path: Path, text: str, foreign_hint: str = "", damage: Optional[Damage] = None) -> tuple:
+    """``(records, lines)`` of a JSON Lines results file; a line that is not a result row is
+    skipped and noted in ``damage``, unless no line is one: then it is not a results file."""
+    damage = damage if damage is not None else Damage(path)
+    records, lines, first = [], [], None
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        first = first or number
+        if _not_text([line]):
+            damage.row(number, "bytes that are not UTF-8 text")
+            continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise MegaMoEError(f"{path}:{number}: not a JSON row ({exc.msg}); {_CUT_ROW_HINT}") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deep"
+            damage.row(number, f"not JSON ({why})")
+            continue
         if not isinstance(record, dict) or not set(IDENTITY_COLUMNS) <= set(record):
-            if not records:
-                raise MegaMoEError(f"{path}: not a megamoe results file (line {number} is not a JSON object "
-                                   f"with {'/'.join(IDENTITY_COLUMNS)} fields){foreign_hint}")
-            raise MegaMoEError(f"{path}:{number}: not a result row (no {'/'.join(IDENTITY_COLUMNS)} fields); "
-                               "delete that line")
+            damage.row(number, f"not a result row (no {'/'.join(IDENTITY_COLUMNS)} fields)")
+            continue
         records.append(record)
-    return records
+        lines.append(number)
+    if first is not None and not records:
+        raise MegaMoEError(f"{path}: not a megamoe results file (line {first} is not a JSON object "
+                           f"with {'/'.join(IDENTITY_COLUMNS)} fields){foreign_hint}")
+    return records, lines
 
 
-def _load(path: Path, foreign_hint: str = ""):
-    """The rows of a results file as a DataFrame of its own columns, or one error naming the file,
-    the line where there is one, and what to do."""
+def _check_regular(path: Path, what: str) -> None:
+    """A FIFO, a device or a socket given for a file would block or never end: refused by name."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise MegaMoEError(f"{path}: is {kind}; expected a {what} (a regular file)")
+
+
+def _load(path: Path, foreign_hint: str = "", damage: Optional[Damage] = None):
+    """The rows of a results file as a DataFrame of its own columns (and ``_line``, each row's
+    line, for CSV and JSON Lines), damaged rows skipped into ``damage``; a file that is not a
+    results file is one error naming it."""
     import pandas as pd
 
     fmt = file_format(path)
+    _check_regular(path, "results file")
+    damage = damage if damage is not None else Damage(path)
     if fmt == "parquet":
         try:
             frame = pd.read_parquet(path)
@@ -371,9 +493,16 @@ def _load(path: Path, foreign_hint: str = ""):
         raise MegaMoEError(f"{path}: cannot read the results file ({(exc.strerror or str(exc)).lower()})") from None
     text = _decoded(path, raw, foreign_hint)
     if fmt == "csv":
-        header, rows = _csv_records(path, text, foreign_hint)
-        return pd.DataFrame(rows, columns=header, dtype=object).replace({"": None})
-    return pd.DataFrame(_jsonl_records(path, text, foreign_hint))
+        header, rows, lines = _csv_records(path, text, foreign_hint, damage)
+        if len(set(header)) != len(header):
+            raise MegaMoEError(f"{path}: not a megamoe results file (its first line names a column twice)"
+                               f"{foreign_hint}")
+        frame = pd.DataFrame(rows, columns=header, dtype=object).replace({"": None})
+    else:
+        records, lines = _jsonl_records(path, text, foreign_hint, damage)
+        frame = pd.DataFrame(records)
+    frame["_line"] = lines
+    return frame
 
 
 def _append_bytes(path: Path, data: bytes) -> None:
@@ -408,6 +537,7 @@ def append_rows(path: Union[str, Path], rows: Sequence[Row]) -> None:
         unknown = sorted(set(row) - set(COLUMNS))
         if unknown:
             raise MegaMoEError(f"row has columns {unknown} that are not in the schema (results.COLUMNS)")
+        check_row(row, path)
     try:
         exists = path.exists() and path.stat().st_size > 0
         if fmt == "jsonl":
@@ -440,7 +570,7 @@ def _append_csv(path: Path, rows: Sequence[Row], exists: bool) -> None:
 
 def _rewrite_csv_with_union(path: Path, header: List[str], rows: Sequence[Row]) -> None:
     """An older file with other columns: keep its cells verbatim, add the new columns."""
-    _, old = _csv_records(path, _decoded(path, path.read_bytes()))
+    _, old, _ = _csv_records(path, _decoded(path, path.read_bytes()))
     columns = header + [c for c in COLUMNS if c not in header]
 
     def write(tmp: str) -> None:
@@ -463,22 +593,70 @@ def _append_parquet(path: Path, rows: Sequence[Row], exists: bool) -> None:
     atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
 
 
-def _typed(frame):
+def _typed(frame, damage: Optional[Damage] = None):
+    """The schema's dtypes; a cell that is not of its column's type (a hand edit, a value no
+    64-bit integer holds) reads as missing and is noted in ``damage``."""
     import pandas as pd
+
+    lines = list(frame["_line"]) if "_line" in frame else [None] * len(frame)
+
+    def note(column, bad) -> None:
+        if damage is not None:
+            for index in [i for i, flag in enumerate(bad) if flag]:
+                damage.cell(column, lines[index], frame[column].iloc[index])
 
     for col in FLOAT_COLUMNS:
         if col in frame:
-            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
+            values = pd.to_numeric(frame[col], errors="coerce").astype("float64")
+            note(col, [math.isnan(v) and not _missing(raw) for v, raw in zip(values, frame[col])])
+            frame[col] = values
     for col in INT_COLUMNS:
         if col in frame:
-            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+            values = [_to_int(raw) for raw in frame[col]]
+            note(col, [v is None and not _missing(raw) for v, raw in zip(values, frame[col])])
+            frame[col] = pd.array(values, dtype="Int64")
     for col in BOOL_COLUMNS:
         if col in frame:
-            frame[col] = frame[col].map(_to_bool).astype("boolean")
+            values = [_to_bool(raw) for raw in frame[col]]
+            note(col, [v is None and not _missing(raw) for v, raw in zip(values, frame[col])])
+            frame[col] = pd.array(values, dtype="boolean")
     for col in frame.columns:
-        if col not in FLOAT_COLUMNS + INT_COLUMNS + BOOL_COLUMNS:
-            frame[col] = frame[col].map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+        if col not in FLOAT_COLUMNS + INT_COLUMNS + BOOL_COLUMNS + ("_line",):
+            frame[col] = frame[col].map(lambda v: "" if _missing(v) else v if isinstance(v, str) else
+                                        json.dumps(v) if isinstance(v, (dict, list)) else str(v))
     return frame
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value == "") or _is_nan(value)
+
+
+def _is_nan(value: Any) -> bool:
+    """NaN, or pandas' NA / NaT (what typed columns read back from Parquet hold)."""
+    if isinstance(value, float):
+        return math.isnan(value)
+    return type(value).__name__ in ("NAType", "NaTType")
+
+
+def _to_int(value: Any) -> Optional[int]:
+    """An integer cell as an int that 64 bits hold, else None (``12``, ``12.0``; not ``1e30``)."""
+    if _missing(value) or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        number = value
+    else:
+        text = str(value).strip()
+        try:
+            number = int(text)
+        except ValueError:
+            try:
+                as_float = float(text)
+            except ValueError:
+                return None
+            if not math.isfinite(as_float) or as_float != int(as_float):
+                return None
+            number = int(as_float)
+    return number if -INT64_MAX - 1 <= number <= INT64_MAX else None
 
 
 def _to_bool(value: Any) -> Optional[bool]:
@@ -495,21 +673,27 @@ def _to_bool(value: Any) -> Optional[bool]:
 
 
 def read_results(path: Union[str, Path]):
-    """All rows of a results file as a DataFrame with the schema's dtypes.  A file that is not a
-    results file, or one with a damaged row, raises ``MegaMoEError`` naming the file and line."""
+    """All rows of a results file as a DataFrame with the schema's dtypes.  Damaged rows (a row
+    cut short, bytes that are not text) are skipped and cells that are not of their column's
+    type read as missing; ``frame.attrs["warnings"]`` holds the one line that says so.  A file
+    that is not a results file raises ``MegaMoEError`` naming it."""
     path = Path(path)
     file_format(path)
     if not path.exists():
         raise MegaMoEError(f"{path}: results file not found")
     if path.is_dir():
         raise MegaMoEError(f"{path}: is a directory; expected a results file")
-    frame = _load(path)
+    damage = Damage(path)
+    frame = _load(path, damage=damage)
     for col in COLUMNS:
         if col not in frame:
             frame[col] = None
-    frame = _typed(frame)
+    frame = _typed(frame, damage)
     for col, value in ADDED_COLUMNS.items():
         frame[col] = frame[col].fillna(value)
+    frame = frame.drop(columns=["_line"], errors="ignore").reset_index(drop=True)
+    warning = damage.warning()
+    frame.attrs["warnings"] = [warning] if warning else []
     return frame
 
 

@@ -4,6 +4,8 @@ The launcher (``bench.launcher``) makes the folder, and reads what the ranks (``
 write there while they run; neither imports the other, both import this module::
 
     plan.json            the launcher: the points and any extra sections (tune, profile)
+    launcher.json        the launcher: its pid and start time, the run id and the results file,
+                         so a later command can tell a run whose launcher died and save its rows
     rank<R>.pid          each rank: its pid, so the launcher can stop ranks torchrun orphans
     env.json             rank 0: the environment columns of every row
     progress.jsonl       rank 0: one line per point started
@@ -15,6 +17,10 @@ write there while they run; neither imports the other, both import this module::
 Appends are one ``write`` of whole lines, fsync'd, so a reader never sees half a line
 (``JsonlTail`` reads whole lines only) and a later crash loses nothing already appended.
 
+Every process of a run dies with the one that started it (``die_with_parent``): the launcher
+starts torchrun, torchrun starts the ranks, and a parent killed by a signal it cannot catch
+(SIGKILL from the OOM killer, ``timeout -s KILL``, a batch scheduler) takes them with it.
+
 Imports: none of ``megamoe_cli.bench``.
 """
 
@@ -22,8 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 PLAN_FILE = "plan.json"
 LOG_FILE = "torchrun.log"
@@ -32,12 +39,50 @@ PID_FILE = "rank{rank}.pid"
 FATAL_FILE = "fatal.rank{rank}.txt"
 ENV_FILE = "env.json"
 PROGRESS_FILE = "progress.jsonl"
+LAUNCHER_FILE = "launcher.json"
 # Written by bench.torchrun when ranks fail: their torch.distributed.elastic failure records.
 FAILURES_FILE = "failures.json"
 # torchrun's log folder (per-rank error files), inside the run folder so it goes with it.
 ELASTIC_DIR = "elastic"
 # How a rank says it only lost contact with its peers (a consequence of another rank's failure).
 LOST_CONTACT = "lost contact with the other ranks"
+
+
+# The pid of the process a run's process must die with; set by the parent in the child's
+# environment, so the child can tell that its parent died before it asked to die with it.
+PARENT_PID_ENV = "MEGAMOE_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent ends, however it ends.
+
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing changes and False is returned.
+    The parent can die between the fork and this call, and then no signal comes: the child is
+    already someone else's, which ``getppid`` shows against the pid the parent put in
+    ``$MEGAMOE_PARENT_PID``, and the child sends ``sig`` to itself."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    expected = os.environ.get(PARENT_PID_ENV, "")
+    if expected.isdigit() and os.getppid() != int(expected):
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """When ``pid`` started (clock ticks since boot, from /proc), to tell a process from a later
+    one that reuses its pid; None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

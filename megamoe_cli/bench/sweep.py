@@ -39,6 +39,7 @@ from ..errors import MegaMoEError
 from ..layout import PRESETS, WEIGHT_FORMATS, BufferConfig, MoEShape
 
 SHAPE_KEYS = ("hidden", "intermediate", "num_experts", "num_topk")
+INT64_MAX = 2 ** 63 - 1
 # The expert weights' format and the SwiGLU clamp: a preset's own unless the shape entry says
 WEIGHT_KEYS = ("weights", "activation_clamp")
 
@@ -230,11 +231,14 @@ def _collect_lines(node: yaml.Node, path: Tuple, lines: Dict[Tuple, int], source
 
 
 class Checker:
-    """Type checks that name the source, line and key path of every error."""
+    """Type checks that name the source, line and key path of every error; ``names``: keys
+    spelled otherwise where the values came from (command-line flags: ``num_tokens`` is
+    ``--tokens``), which errors name instead of the source and key path."""
 
-    def __init__(self, source: str, lines: Dict[Tuple, int]):
+    def __init__(self, source: str, lines: Dict[Tuple, int], names: Optional[Dict[str, str]] = None):
         self.source = source
         self.lines = lines
+        self.names = names or {}
 
     def where(self, path: Tuple) -> str:
         probe = path
@@ -251,6 +255,9 @@ class Checker:
         return text or "sweep"
 
     def fail(self, path: Tuple, message: str) -> MegaMoEError:
+        named = [self.names[part] for part in reversed(path) if isinstance(part, str) and part in self.names]
+        if named:
+            return MegaMoEError(f"{named[0]}: {message}")
         return MegaMoEError(f"{self.where(path)}: {self.dotted(path)}: {message}")
 
     def mapping(self, value: Any, path: Tuple, allowed: Sequence[str]) -> Dict[str, Any]:
@@ -268,6 +275,8 @@ class Checker:
             raise self.fail(path, f"expected an integer >= {minimum}, got {_kind(value)}")
         if value < minimum:
             raise self.fail(path, f"expected an integer >= {minimum}, got {value}")
+        if value > INT64_MAX:  # every count lands in a results column, which holds 64 bits
+            raise self.fail(path, f"expected an integer of at most 2**63 - 1 (a results column's 64 bits), got {value}")
         return value
 
     def boolean(self, value: Any, path: Tuple) -> bool:
@@ -375,9 +384,10 @@ def _max_tokens(tokens: Tokens) -> int:
     return tokens if isinstance(tokens, int) else max(tokens)
 
 
-def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None) -> Sweep:
-    """Check a parsed sweep document and expand it into points."""
-    check = Checker(source, lines or {})
+def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None,
+                   names: Optional[Dict[str, str]] = None) -> Sweep:
+    """Check a parsed sweep document and expand it into points (``names``: see ``Checker``)."""
+    check = Checker(source, lines or {}, names)
     doc = check.mapping(data, (), SWEEP_KEYS)
 
     if "name" not in doc:
@@ -458,8 +468,10 @@ def validate_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = N
         num_max = None
 
     routing = check.string(doc.get("routing", DEFAULTS["routing"]), ("routing",))
-    from ..problem import ROUTINGS
-
+    if routing != DEFAULTS["routing"]:  # the routings' owner imports torch: only asked when needed
+        from ..problem import ROUTINGS
+    else:
+        ROUTINGS = (routing,)
     if routing not in ROUTINGS:
         raise check.fail(("routing",), f"unknown routing {routing!r}; expected one of {', '.join(ROUTINGS)}")
     warmup = check.integer(doc.get("warmup", DEFAULTS["warmup"]), ("warmup",), 0)
@@ -523,8 +535,18 @@ def load_sweep_text(text: str, source: str = "<sweep>") -> Sweep:
 
 
 def read_sweep_file(path: Union[str, Path], what: str = "sweep file") -> str:
-    """The text of a sweep (or tune sweep) file; a missing or unreadable file is a clear error."""
+    """The text of a sweep (or tune sweep) file; a missing or unreadable file, or one that is not a
+    regular file (a FIFO would block the read), is a clear error."""
+    import os
+    import stat
+
     path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise MegaMoEError(f"{path}: is not a regular file; expected a {what}")
     try:
         return path.read_text()
     except FileNotFoundError:
@@ -559,8 +581,10 @@ def sweep_from_flags(
     weights: Optional[Sequence[str]] = None,
     activation_clamp: Optional[float] = None,
     name: str = "cli",
+    names: Optional[Dict[str, str]] = None,
 ) -> Sweep:
-    """Build a sweep from command-line values through the same validator as files.
+    """Build a sweep from command-line values through the same validator as files; errors name
+    the flags (``names``, default ``FLAG_NAMES``: the spelling of ``megamoe bench``).
 
     Shape: ``preset`` (default ``deepseek-v3``) with explicit dimensions
     overriding its fields.  ``num_experts`` and
@@ -597,7 +621,16 @@ def sweep_from_flags(
         "timeout_s": timeout_s,
     }
     doc.update({k: v for k, v in optional.items() if v is not None})
-    return validate_sweep(doc, "command-line flags")
+    return validate_sweep(doc, "command-line flags", names=FLAG_NAMES if names is None else names)
+
+
+# The flag of ``megamoe bench`` (and ``tune``) that sets each key.
+FLAG_NAMES = {
+    "preset": "--preset", "hidden": "--hidden", "intermediate": "--intermediate", "num_experts": "--experts",
+    "num_topk": "--topk", "weights": "--weights", "activation_clamp": "--activation-clamp", "num_tokens": "--tokens",
+    "backends": "--backend", "block_m": "--block-m", "warmup": "--warmup", "iters": "--iters",
+    "calls_per_sample": "--calls-per-sample", "seed": "--seed", "timeout_s": "--point-timeout",
+}
 
 
 def points_to_json(points: Sequence[Point]) -> List[Dict[str, Any]]:

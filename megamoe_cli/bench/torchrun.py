@@ -9,13 +9,17 @@ and the error record the rank's ``@record`` entry point wrote to ``TORCHELASTIC_
 ``FAILURES.json`` (atomically), so the launcher reads which rank failed first and why from
 records instead of from torchrun's log text.  The printed summary stays in the log.
 
-Imports: none of ``megamoe_cli.bench``.
+It ends with the launcher (``rundir.die_with_parent``): SIGTERM, on which torchrun's agent stops
+the ranks it started; the ranks, in turn, die with torchrun.
+
+Imports: ``rundir``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -58,6 +62,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("usage: python -m megamoe_cli.bench.torchrun FAILURES.json TORCHRUN-ARGUMENTS...", file=sys.stderr)
         return 2
     target = Path(argv[0])
+    from .rundir import PARENT_PID_ENV, die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the ranks torchrun starts die with it
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 

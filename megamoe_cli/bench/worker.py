@@ -44,6 +44,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,7 +53,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .rundir import (ENV_FILE, FATAL_FILE, LOST_CONTACT, PID_FILE, PROGRESS_FILE, append_line,
+from .rundir import (ENV_FILE, FATAL_FILE, LOST_CONTACT, PID_FILE, PROGRESS_FILE, append_line, die_with_parent,
                      write_text_atomic)
 from .session import RankSession, error_text, merge_errors
 
@@ -399,6 +400,9 @@ def _entry_point(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rows", required=True, type=Path)
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
+    # A rank outliving torchrun would hold its GPU and go on measuring for nobody; the rows it
+    # finished are already on disk.
+    die_with_parent(signal.SIGKILL)
 
     rank = int(os.environ.get("RANK", "0"))
     run_dir: Path = args.run_dir

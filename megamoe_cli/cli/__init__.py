@@ -5,8 +5,9 @@ it needs (rich, pandas, torch) inside its own function.
 
 Exit codes: 0 success; 2 an expected failure (bad input, a file that cannot be read or written,
 a usage error, a run that stopped early), printed as one red line on stderr; 3 the run finished
-but some of its points failed (their rows say why); 1 a bug, printed as a rich traceback;
-128 + the signal number when SIGINT (130), SIGTERM (143) or SIGHUP (129) stopped the command.
+but some of its points failed (their rows say why); 4 ``sizes --check``: it does not fit; 1 a
+bug, printed as a rich traceback; 128 + the signal number when SIGINT (130), SIGTERM (143) or
+SIGHUP (129) stopped the command.  ``megamoe`` alone prints this help (exit 0).
 """
 
 from __future__ import annotations
@@ -137,9 +138,11 @@ class MegaMoEGroup(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-@click.group(name="megamoe", cls=MegaMoEGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name="megamoe", cls=MegaMoEGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             invoke_without_command=True)
 @click.version_option(__version__, "--version", "-V", prog_name="megamoe", message="%(prog)s %(version)s")
-def main() -> None:
+@click.pass_context
+def main(ctx) -> None:
     """megamoe: a fused MoE layer (dispatch, expert GEMMs, combine) for Hopper GPUs.
 
     Measure it against the unfused PyTorch pipeline (bench), find its best kernel
@@ -148,6 +151,8 @@ def main() -> None:
     time the kernel alone and where its cycles go (profile), and two trees or knob values
     against each other (ab).
     """
+    if ctx.invoked_subcommand is None:  # a bare `megamoe` asks what there is, which is no error
+        click.echo(ctx.get_help())
 
 
 def _register() -> None:

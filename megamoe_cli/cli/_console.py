@@ -1,4 +1,6 @@
-"""Where human output goes: rich, on stderr (stdout carries only machine output such as --json)."""
+"""Where human output goes: a command's result (the table it exists to print) on stdout, so
+``megamoe sizes > file`` keeps it; progress, warnings and errors on stderr; with ``--json`` the
+JSON alone is on stdout and the table goes to stderr."""
 
 from __future__ import annotations
 
@@ -14,11 +16,20 @@ _REDIRECTED_WIDTH = 200
 def stderr_console():
     """Markup is off: what we print carries error text from ranks and libraries (``[/path/pair.cc:553]``),
     which rich would otherwise read as closing tags and fail on; styles are passed as ``style=``."""
+    return _console(stderr=True)
+
+
+def result_console(as_json: bool = False):
+    """Where a command's table goes: stdout, unless stdout carries its ``--json``."""
+    return _console(stderr=as_json)
+
+
+def _console(stderr: bool):
     from rich.console import Console
 
-    console = Console(stderr=True, markup=False)
+    console = Console(stderr=stderr, markup=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(stderr=True, markup=False, width=_REDIRECTED_WIDTH)
+        console = Console(stderr=stderr, markup=False, width=_REDIRECTED_WIDTH)
     return console
 
 

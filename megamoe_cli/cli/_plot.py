@@ -29,7 +29,9 @@ def check_plot_target(target: Path) -> None:
 
 
 def plot_latency(frame, target: Path) -> bool:
-    """Median latency vs tokens per rank, one line per backend, one panel per shape and world size."""
+    """Median latency vs tokens per rank, one line per backend, one panel per shape and world size;
+    rows of several runs are never merged: each run's backends are series of their own, named by
+    the run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,6 +49,8 @@ def plot_latency(frame, target: Path) -> bool:
     # Rows timed over several calls per sample are their own series (a steady state, not single calls).
     ok["series"] = [b if int(n) == 1 else f"{b} ({int(n)} calls/sample)"
                     for b, n in zip(ok["backend"], ok_rows["calls_per_sample"].fillna(1))]
+    if ok_rows["run_id"].nunique(dropna=False) > 1:
+        ok["series"] = [f"{series}, run {run}" for series, run in zip(ok["series"], ok_rows["run_id"])]
     panels = list(dict.fromkeys(ok["panel"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 HEADERS = {
+    "run_id": "run",
+    "date": "date (UTC)",
     "backend": "backend",
     "shape": "shape",
     "num_tokens": "tokens/rank",

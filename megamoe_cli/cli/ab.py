@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from ._options import kernel_timing_options, shape_options
+from ._options import Seconds, kernel_timing_options, shape_options
 
 WHAT = "megamoe ab times the fused kernel, which runs on Hopper GPUs (sm_90a) only"
 
@@ -24,7 +24,7 @@ WHAT = "megamoe ab times the fused kernel, which runs on Hopper GPUs (sm_90a) on
               help="Rounds; each runs every arm once, in reversed order every other round.")
 @shape_options(multi_weights=False)
 @kernel_timing_options()
-@click.option("--timeout", "run_timeout", type=float, help="Seconds the whole A/B may take.")
+@click.option("--timeout", "run_timeout", type=Seconds(), help="Seconds the whole A/B may take.")
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Keep every arm's log (its megamoe profile stderr) per round in DIR (default: a temporary folder, "
                    "kept and named only when something failed).")

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from ._options import IntList, NameList, shape_options
+from ._options import IntList, NameList, Seconds, resolve_shape, shape_options
 
 DEFAULT_OUT = "results/bench.csv"
 
@@ -44,28 +44,29 @@ LONG_CPU_RUN_S = 300.0
 @click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False),
               help="A sweep YAML file (see sweeps/); replaces the point flags below.")
 @shape_options(preset_default=f"{DEFAULTS['cuda']['preset']} on a GPU machine, {DEFAULTS['cpu']['preset']} without one")
-@click.option("--tokens", "num_tokens", type=IntList(),
+@click.option("--tokens", "num_tokens", type=IntList(minimum=0),
               help="Tokens per rank, comma-separated (default per device: see the text above).")
 @click.option("--backend", "backends", type=NameList(_backend_names()),
               help=f"Backends to run, comma-separated: {', '.join(_backend_names())} (default per device: see the "
                    "text above; fused and fused-graph need Hopper GPUs).")
-@click.option("--block-m", "block_m", type=IntList(), help="Fused kernel block_m values to sweep.")
-@click.option("--warmup", type=int, help="Untimed calls before timing (default 5).")
-@click.option("--iters", type=int, help="Timed calls per point; the median is reported (default 20).")
-@click.option("--calls-per-sample", "calls_per_sample", type=int, metavar="N",
+@click.option("--block-m", "block_m", type=IntList(minimum=1), help="Fused kernel block_m values to sweep.")
+@click.option("--warmup", type=click.IntRange(min=0), help="Untimed calls before timing (default 5).")
+@click.option("--iters", type=click.IntRange(min=1), help="Timed calls per point; the median is reported (default 20).")
+@click.option("--calls-per-sample", "calls_per_sample", type=click.IntRange(min=1), metavar="N",
               help="Each timed sample is N calls back to back divided by N: the steady state of a decode "
                    "loop without the ranks' launch skew (default 1 = one call after a barrier).")
-@click.option("--seed", type=int, help="Seed of the generated problem (default 0).")
+@click.option("--seed", type=click.IntRange(min=0), help="Seed of the generated problem (default 0).")
 @click.option("--check/--no-check", default=True, help="Compare every output with the reference (default on).")
 @click.option("--flush-l2", is_flag=True, help="Flush the L2 cache before every timed sample (one call unless --calls-per-sample).")
-@click.option("--point-timeout", type=float, help="Seconds one point may take before its ranks are stopped.")
-@click.option("--ranks", "ranks", type=int, help="Number of ranks (default: every GPU, or 2 on CPU).")
+@click.option("--point-timeout", type=Seconds(), help="Seconds one point may take before its ranks are stopped.")
+@click.option("--ranks", "ranks", type=click.IntRange(min=1), help="Number of ranks (default: every GPU, or 2 on CPU).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="auto: CUDA when torch sees a GPU, else CPU ranks with gloo.")
-@click.option("--timeout", "run_timeout", type=float, help="Seconds the whole run may take.")
+@click.option("--timeout", "run_timeout", type=Seconds(), help="Seconds the whole run may take.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=DEFAULT_OUT, show_default=True,
               help="Results file rows are appended to (.csv, .jsonl or .parquet); checked before the run starts.")
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as a JSON array on stdout.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the rows as a JSON array on stdout (each row's config an object); the table goes to stderr.")
 @click.option("--tuned-config", "tuned_config", type=click.Path(dir_okay=False),
               help="Tuned config file the fused backend reads (default: $MEGAMOE_TUNED_CONFIG or "
                    "~/.cache/megamoe/tuned.json), e.g. one written by `megamoe tune --config-file`.")
@@ -77,6 +78,8 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
 
     Every point is timed after a cross-rank barrier (median over --iters, the slowest rank is the
     layer's time) and checked against the reference; rows are appended to --out as they finish.
+    Values that cannot run (a backend this machine lacks, more tokens than the GPU's or this
+    machine's memory holds) are refused before any rank starts; the summary table goes to stdout.
 
     \b
     With no flags: on a GPU machine, deepseek-v3 at 8,128,1024,8192 tokens per rank with the
@@ -91,7 +94,9 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
       2    bad input or file, or the run stopped early (the error line names the point and
            the rank that failed first, and where the run files are kept)
       128+N  stopped by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129): every rank is
-           stopped, and the rows measured before it are in --out
+           stopped, and the rows measured before it are in --out.  Killed outright
+           (SIGKILL), torchrun and the ranks die with it; the next bench, record or report
+           of --out adds the rows they had finished, and says where they came from
 
     \b
     Examples:
@@ -103,7 +108,7 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
     """
     from pathlib import Path
 
-    from ..bench.launcher import check_backends, check_points, resolve_device, run_bench
+    from ..bench.launcher import check_backends, check_memory, check_points, resolve_device, run_bench
     from ..bench.results import check_output_path, file_format
     from ..errors import MegaMoEError
     from ._console import stderr_console
@@ -125,10 +130,20 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
         from ..bench.sweep import load_sweep
 
         sweep = load_sweep(sweep_file)
+        uneven = next((p for p in sweep.points if p.num_experts % world_size), None)
+        if uneven is not None:
+            raise click.BadParameter(f"{world_size} ranks cannot split the experts evenly: {sweep_file} has "
+                                     f"{uneven.num_experts} ({uneven.shape_label()})", param_hint="--ranks")
     else:
+        # The shape flags first, so an impossible shape is named by its flags (and a value
+        # that came from the preset says so) before the sweep is built from them.
+        resolve_shape(given.get("preset"), given.get("hidden"), given.get("intermediate"), given.get("num_experts"),
+                      given.get("num_topk"), default_preset=DEFAULTS[device_kind]["preset"],
+                      ranks=world_size)
         sweep = _sweep_from_flags(device_kind, given)
     check_points(sweep.points, world_size)
     check_backends(sweep.points, device_kind, world_size)
+    check_memory(sweep.points, device_kind, world_size, tokens_name="num_tokens" if sweep_file else "--tokens")
     check_tuned_config(tuned_config, sweep.points, console)
     # Only a run that can start creates the results folder (a refused flag leaves nothing behind),
     # and the results file is checked before the first point runs, not after it.
@@ -137,7 +152,9 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
     except OSError as exc:
         raise MegaMoEError(f"{out}: cannot create its folder {out.parent} "
                            f"({(exc.strerror or type(exc).__name__).lower()})") from None
-    check_output_path(out)
+    for warning in check_output_path(out):
+        console.print(f"warning: {warning}; the rows of this run go after it", style="yellow", highlight=False,
+                      markup=False)
 
     if not sweep_file and not given:
         console.print(_default_note(device_kind, world_size), style="bold yellow", highlight=False)
@@ -149,9 +166,12 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
                   timeout_s=run_timeout)
 
     if as_json:
-        from ..bench.results import row_to_json
+        import json
 
-        sys.stdout.write("[\n" + ",\n".join(row_to_json(row) for row in result.rows) + "\n]\n")
+        from ..bench.results import row_as_object
+
+        json.dump([row_as_object(row) for row in result.rows], sys.stdout, indent=1)
+        sys.stdout.write("\n")
     if result.rows:
         from ..bench.compare import summary
         from ..bench.results import STATUS_OK
@@ -160,7 +180,9 @@ def bench(sweep_file, preset, hidden, intermediate, num_experts, num_topk, weigh
         ok = sum(1 for row in result.rows if row.get("status") == STATUS_OK)
         state = "" if result.ok else ", run stopped"
         title = f"{sweep.name}: {ok} of {result.num_points} point(s) ok{state}"
-        console.print(rich_table(summary(result.frame()), title=title))
+        from ._console import result_console
+
+        result_console(as_json).print(rich_table(summary(result.frame()), title=title))
         console.print(f"rows appended to {out} (run {result.run_id})", highlight=False)
     if not result.ok:
         raise MegaMoEError(result.message)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from ._options import at_least_one, kernel_timing_options, shape_options
+from ._options import Seconds, at_least_one, kernel_timing_options, shape_options
 
 WHAT = "megamoe profile times the fused kernel, which runs on Hopper GPUs (sm_90a) only"
 
@@ -27,7 +27,7 @@ WHAT = "megamoe profile times the fused kernel, which runs on Hopper GPUs (sm_90
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="With --cycles: write the profiled calls' timeline per config and rank to DIR "
                    "(trace_<tokens>_<config>_ws<ranks>_r<rank>.csv) and print its summary.")
-@click.option("--timeout", "run_timeout", type=float, help="Seconds the whole run may take.")
+@click.option("--timeout", "run_timeout", type=Seconds(), help="Seconds the whole run may take.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point's configs as one JSON object on stdout.")
 def profile(preset, hidden, intermediate, num_experts, num_topk, weights, activation_clamp, num_tokens, configs, ranks,
             warmup, iters, seed, given, back_to_back, cycles, cycle_calls, trace_dir, point_timeout, run_timeout,

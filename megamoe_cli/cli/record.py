@@ -13,6 +13,7 @@ import sys
 import click
 
 from . import ARGV_KEY
+from ._options import Seconds
 
 
 @click.command()
@@ -20,10 +21,10 @@ from . import ARGV_KEY
               help="The sweep to record (default: sweeps/record.yaml of this tree).")
 @click.option("--out-dir", "folder", type=click.Path(file_okay=False), required=True, metavar="DIR",
               help="The results folder; it must not hold a record of the sweep's name yet.")
-@click.option("--ranks", type=int, help="Number of ranks (default: every GPU, or 2 on CPU).")
+@click.option("--ranks", type=click.IntRange(min=1), help="Number of ranks (default: every GPU, or 2 on CPU).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="auto: CUDA when torch sees a GPU, else CPU ranks with gloo.")
-@click.option("--timeout", "run_timeout", type=float, help="Seconds the whole run may take.")
+@click.option("--timeout", "run_timeout", type=Seconds(), help="Seconds the whole run may take.")
 @click.option("--tuned-config", "tuned_config", type=click.Path(dir_okay=False),
               help="Tuned config file the fused backend reads (default: $MEGAMOE_TUNED_CONFIG or "
                    "~/.cache/megamoe/tuned.json).")
@@ -80,14 +81,15 @@ def record(sweep_file, folder, ranks, device, run_timeout, tuned_config, as_json
         from ..bench.compare import summary
         from ._tables import rich_table
 
-        console.print(rich_table(summary(result.frame()), title=f"{plan.name}: {done.metadata['status']}"))
+        from ._console import result_console
+
+        result_console(as_json).print(rich_table(summary(result.frame()), title=f"{plan.name}: {done.metadata['status']}"))
     console.print(f"record written to {plan.folder}: {', '.join(f for f in plan.files if (plan.folder / f).exists())}",
                   highlight=False, markup=False)
     if as_json:
-        from ..bench.results import row_to_json
+        from ..bench.results import row_as_object
 
-        json.dump({**done.metadata, "rows": [json.loads(row_to_json(row)) for row in done.rows]}, sys.stdout,
-                  indent=2)
+        json.dump({**done.metadata, "rows": [row_as_object(row) for row in done.rows]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     if not result.ok:
         raise MegaMoEError(result.message)

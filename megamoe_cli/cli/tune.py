@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from ._options import IntList, shape_options
+from ._options import IntList, Seconds, shape_options
 
 NEEDS = "megamoe tune needs a CUDA GPU with the fused kernel"
 
@@ -71,9 +71,9 @@ class SmsList(click.ParamType):
 @click.option("--iters", type=int, help="Timed calls per candidate; the median counts (default 20).")
 @click.option("--seed", type=int, help="Seed of the generated problem (default 0).")
 @click.option("--flush-l2", is_flag=True, help="Flush the L2 cache before every timed call.")
-@click.option("--point-timeout", type=float, help="Seconds one point (all its candidates) may take.")
+@click.option("--point-timeout", type=Seconds(), help="Seconds one point (all its candidates) may take.")
 @click.option("--ranks", type=int, help="Expert-parallel world size (default: every local GPU).")
-@click.option("--timeout", "run_timeout", type=float, help="Seconds the whole measuring run may take.")
+@click.option("--timeout", "run_timeout", type=Seconds(), help="Seconds the whole measuring run may take.")
 @click.option("--config-file", "path", type=click.Path(dir_okay=False),
               help="Tuned config file to merge into (default: $MEGAMOE_TUNED_CONFIG or ~/.cache/megamoe/tuned.json; "
                    "the runtime reads the default, `megamoe bench --tuned-config FILE` this one).")
