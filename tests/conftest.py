@@ -27,6 +27,11 @@ def private_temp_folder(tmp_path_factory):
     tempfile.tempdir = str(folder)
     if not os.environ.get(CACHE_ENV):
         os.environ[CACHE_ENV] = str(root / "jit-cache")
+    # torch.compile's caches (Inductor, Triton) would otherwise land in TMPDIR, where they outlive
+    # the test that compiled; they go with the session's folder instead.
+    saved.update({name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")})
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton-cache"))
     try:
         yield folder
     finally:

@@ -160,9 +160,10 @@ def test_the_example_fails_when_the_layer_is_wrong(monkeypatch, capsys):
     assert "FAILED: eager, torch.compile(fullgraph=True)" in capsys.readouterr().err
 
 
-def test_the_example_runs_expert_parallel_on_two_cpu_ranks():
+def test_the_example_runs_expert_parallel_on_two_cpu_ranks(tmp_path):
+    # torchrun keeps its per-run log folder under TMPDIR: the test's own folder holds it.
     result = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/moe_block.py",
-                         "--tokens", "6", env_extra={"OMP_NUM_THREADS": "1"})
+                         "--tokens", "6", env_extra={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0: ok" in result.stdout and "rank 1: ok" in result.stdout
 
