@@ -94,6 +94,36 @@ def test_a_child_whose_parent_died_before_it_asked_ends_at_once(started):
     assert not marker.exists()
 
 
+# A parent that starts a plain sleeping child the way `megamoe ab` starts its arms (the child's
+# own code asks for nothing), says its pid, and waits.
+PREEXEC_PARENT = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    from megamoe_cli.bench.rundir import die_with_this_process
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                             preexec_fn=die_with_this_process(signal.SIGTERM))
+    print(child.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_child_that_asks_nothing_dies_with_the_process_that_started_it(tmp_path):
+    """megamoe ab's arms run other trees' code: the signal is asked for between fork and exec."""
+    parent = subprocess.Popen([sys.executable, "-c", PREEXEC_PARENT], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert launcher._alive(child)
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: gone(child), 10, "the child outlived the process that started it")
+    finally:
+        if launcher._alive(child):
+            os.kill(child, signal.SIGKILL)
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
 def run_dir_of(tmp_path):
     found = list(tmp_path.glob("megamoe-bench-*"))
     return found[0] if len(found) == 1 else None

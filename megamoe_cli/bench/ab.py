@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import MegaMoEError
+from .rundir import die_with_this_process
 
 MEASURES = ("kernel_us", "layer_us", "back_to_back_us")
 DEFAULT_ROUNDS = 2
@@ -200,8 +201,10 @@ def run_child(arm: Arm, args: Sequence[str], log_path: Path, timeout_s: Optional
     started = time.monotonic()
     held = SignalsHeld()
     with held, open(log_path, "wb") as log:
+        # SIGTERM when ab dies however it dies: the child profile stops its ranks on it.
         proc = subprocess.Popen(child_command(args), cwd=arm.root, env=child_environment(arm),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                                preexec_fn=die_with_this_process(signal.SIGTERM))
     try:
         held.deliver()
         out, _ = proc.communicate(timeout=timeout_s)

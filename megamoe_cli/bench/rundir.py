@@ -75,6 +75,26 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+def die_with_this_process(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` that has the child die with the process starting it, for a child whose own
+    code cannot be relied on to ask (``megamoe ab`` runs other trees' ``megamoe profile``): the
+    kernel keeps the parent-death signal across ``exec``.  A parent gone before the child asked
+    is caught as ``die_with_parent`` catches it."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
 def process_start_time(pid: int) -> Optional[int]:
     """When ``pid`` started (clock ticks since boot, from /proc), to tell a process from a later
     one that reuses its pid; None when it is gone or unknown."""
