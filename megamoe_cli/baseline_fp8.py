@@ -65,6 +65,7 @@ import torch
 
 from . import tuned
 from .errors import MegaMoEError
+from .graphs import GraphReplay
 from .kernel_source import MAX_SMEM_BYTES  # sm_90's opt-in shared memory per block
 from .problem import Problem
 from .quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
@@ -337,7 +338,7 @@ def fp8_weights_of(problem: Problem) -> Tuple[Problem, Optional[str]]:
     return converted, "fp4 converted once to fp8 (read as fp8)"
 
 
-class _Runner:
+class _Runner(GraphReplay):
     def __init__(self, problem: Problem, group, gemm: str, launch: LaunchConfig, source: Dict[str, Any],
                  graph: bool, note: Optional[str]):
         self.clamp = problem.shape.activation_clamp
@@ -404,24 +405,6 @@ class _Runner:
         return (per_expert + self.layout.block_m - 1) // self.layout.block_m * self.layout.block_m
 
     # -- one call ------------------------------------------------------------
-
-    def __call__(self) -> torch.Tensor:
-        if not self.graph:
-            return self._eager()
-        if self._graph is None:
-            # One eager call first (every rank together): it compiles the kernels and sets up
-            # the communicator, neither of which a capture may do.
-            self._eager()
-            torch.cuda.synchronize(self.problem.device)
-            stream = torch.cuda.Stream(self.problem.device)
-            stream.wait_stream(torch.cuda.current_stream(self.problem.device))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                self._eager()
-            torch.cuda.current_stream(self.problem.device).wait_stream(stream)
-            self._graph = graph
-        self._graph.replay()
-        return self.y
 
     def _eager(self) -> torch.Tensor:
         self._dispatch()

@@ -21,7 +21,7 @@ Children are stopped as the ranks of a bench run are: an exception in the caller
 it stops its own ranks and exits, and SIGKILL to its process group after ``STOP_GRACE_S``.
 Each child's stderr goes to a log file; the folder is named when a run stops early.
 
-Imports: none of ``megamoe_cli.bench`` at module level; ``launcher`` (``SignalsHeld``, the
+Imports: ``rundir`` (``die_with_this_process``) at module level; ``launcher`` (``SignalsHeld``, the
 package root) inside functions.
 """
 

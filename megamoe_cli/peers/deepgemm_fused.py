@@ -19,6 +19,7 @@ import torch
 
 from ..baseline_fp8 import fp8_weights_of
 from ..errors import MegaMoEError
+from ..graphs import GraphReplay
 from ..problem import Problem
 from ..quant import BLOCK
 from . import DEEPGEMM, import_peer, version_of
@@ -46,7 +47,7 @@ def _check_view(name: str, what: str, tensor, dtype, shape) -> None:
                            "this version's input layout is not the one this backend fills")
 
 
-class _FusedPeerRunner:
+class _FusedPeerRunner(GraphReplay):
     def __init__(self, name: str, problem: Problem, group, dg, graph: bool):
         problem, weights_note = fp8_weights_of(problem)
         s = problem.shape
@@ -86,22 +87,6 @@ class _FusedPeerRunner:
         buf.topk_idx[:T].copy_(p.topk_idx)
         buf.topk_weights[:T].copy_(p.topk_weights)
         self.dg.fp8_mega_moe(self.y, self.l1, self.l2, buf, activation_clamp=self.clamp)
-        return self.y
-
-    def __call__(self) -> torch.Tensor:
-        if not self.graph:
-            return self._eager()
-        if self._graph is None:
-            self._eager()
-            torch.cuda.synchronize(self.problem.device)
-            stream = torch.cuda.Stream(self.problem.device)
-            stream.wait_stream(torch.cuda.current_stream(self.problem.device))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                self._eager()
-            torch.cuda.current_stream(self.problem.device).wait_stream(stream)
-            self._graph = graph
-        self._graph.replay()
         return self.y
 
 

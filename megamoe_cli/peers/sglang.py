@@ -36,6 +36,7 @@ import torch
 
 from ..baseline_fp8 import fp8_weights_of
 from ..errors import MegaMoEError
+from ..graphs import GraphReplay, capture
 from ..problem import Problem
 from ..quant import BLOCK, dequantize_per_token
 from ..reference import resolve_group
@@ -136,7 +137,7 @@ def load_kernels(backend: str):
                            f"({type(exc).__name__}: {first})") from None
 
 
-class _SGLangRunner:
+class _SGLangRunner(GraphReplay):
     def __init__(self, problem: Problem, kernels, config_module, how: str, graph: bool):
         problem, weights_note = fp8_weights_of(problem)
         self.problem, self.k, self.graph = problem, kernels, graph
@@ -195,13 +196,7 @@ class _SGLangRunner:
             align_block_size(self.topk_ids, self.E, bm, self.sorted_ids, self.expert_ids, self.num_post)
 
         align()
-        torch.cuda.synchronize(self.problem.device)
-        stream = torch.cuda.Stream(self.problem.device)
-        stream.wait_stream(torch.cuda.current_stream(self.problem.device))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            align()
-        torch.cuda.current_stream(self.problem.device).wait_stream(stream)
+        graph = capture(align, self.problem.device)
         times = []
         for _ in range(calls + 3):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -234,22 +229,6 @@ class _SGLangRunner:
         self.k.act_and_mul_triton(gate_up, self.cache2, self.launch, topk_ids=self.topk_ids)
         self._gemm(self.cache2, p.w2, p.w2_sf, self.cache3, True, 1)
         self.combine(self.cache3.view(-1, self.cache3.shape[-1]), self.pos, self.y)
-        return self.y
-
-    def __call__(self) -> torch.Tensor:
-        if not self.graph:
-            return self._eager()
-        if self._graph is None:
-            self._eager()
-            torch.cuda.synchronize(self.problem.device)
-            stream = torch.cuda.Stream(self.problem.device)
-            stream.wait_stream(torch.cuda.current_stream(self.problem.device))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                self._eager()
-            torch.cuda.current_stream(self.problem.device).wait_stream(stream)
-            self._graph = graph
-        self._graph.replay()
         return self.y
 
 
