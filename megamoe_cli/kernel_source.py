@@ -244,31 +244,6 @@ def experiment_defines() -> Tuple[str, ...]:
     return tuple(f"MEGAMOE_EXP_{n}" for n in names)
 
 
-ENV_PROMOTION_HINTS = "MEGAMOE_PROMOTION_HINTS"
-# Scheduling hints of the promotion FFMAs edited after linking (``jit/sass.py``): "off",
-# "<mode>" or "<mode>:<share of each run>" with mode "yield" or "hold".
-DEFAULT_PROMOTION_HINTS = "off"
-
-
-def promotion_hints() -> Tuple[str, float]:
-    """(mode, fraction) from ``$MEGAMOE_PROMOTION_HINTS`` or the default; fraction 0 = no edit."""
-    from .jit.sass import MODES
-
-    raw = os.environ.get(ENV_PROMOTION_HINTS, "").strip() or DEFAULT_PROMOTION_HINTS
-    if raw == "off":
-        return "off", 0.0
-    mode, _, share = raw.partition(":")
-    try:
-        fraction = float(share) if share else 1.0
-    except ValueError:
-        fraction = -1.0
-    if mode not in MODES or not 0.0 <= fraction <= 1.0:
-        raise MegaMoEError(
-            f"{ENV_PROMOTION_HINTS}: expected 'off', a mode of {list(MODES)} or '<mode>:<fraction within [0, 1]>', got {raw!r}"
-        )
-    return mode, fraction
-
-
 def kernel_build_source(variant: Variant, profile: bool = False):
     """What the JIT compiles for ``variant`` (the fused runner and ``megamoe tune`` share the cache entry)."""
     from .jit import KernelSource

@@ -3,8 +3,8 @@
 # tile per CTA, alone) built for sm_90a and run on one GPU; its own header lists the modes and
 # options.  --sweep runs the given modes under each operand source in turn, from one build.
 #
-#   scripts/mainloop.sh [options] [modes]             e.g. scripts/mainloop.sh --tma2d --random halves quarters
-#   scripts/mainloop.sh --sweep [modes]               default modes: halves nopromo128 quarters
+#   scripts/mainloop.sh [options] [modes]             e.g. scripts/mainloop.sh --tma2d --random halves
+#   scripts/mainloop.sh --sweep [modes]               default modes: halves nopromo128
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/_microbench.sh
@@ -14,7 +14,7 @@ if [ "${1:-}" != "--sweep" ]; then
   exec "$BIN" "$@"
 fi
 shift
-[ $# -eq 0 ] && set -- halves nopromo128 quarters
+[ $# -eq 0 ] && set -- halves nopromo128
 status=0
 for source in "" "--random" "--tma2d" "--tma2d --random" "--tma2d --random --copy-mib 64" \
               "--tma2d --random --tile-kb 56 2000"; do

@@ -15,7 +15,6 @@ import pytest
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.heuristics import default_config
 from megamoe_cli.jit import build
-from megamoe_cli.jit.sass import edited_cubin
 from megamoe_cli.kernel_source import (
     KERNEL_NAME,
     MAX_SMEM_BYTES,
@@ -79,19 +78,6 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
         assert entry.stack_frame_bytes == 0, f"{v.name}: {kernel.report.summary()}"
         assert 0 < entry.registers <= 168, f"{v.name}: {entry.registers} registers"
         assert kernel.cubin_path.stat().st_size > 0
-        # The promotion FFMAs are found: one run per WGMMA wait of the main loops (block_m 128:
-        # two halves plus the narrow loop's one; block_m 64: one), 64 FFMAs each, about half of
-        # them with the reuse flag and no-yield bit, half switchable; MXFP4 builds add the
-        # register-operand decode loop's run of 16 (two 64-row units x 8 accumulators), once per
-        # layer (run_tile_rs is instantiated for L1 and for L2).
-        stored_regions = 3 if v.block_m == 128 else 1
-        rs_regions = 2 if v.shape.weights == "fp4" else 0
-        for mode in ("yield", "hold"):
-            cubin, edit = edited_cubin(kernel.cubin_path, mode, 1.0)
-            assert cubin != kernel.cubin_path and cubin.read_bytes() != kernel.cubin_path.read_bytes()
-            assert edit.regions == stored_regions + rs_regions, f"{v.name} {mode}: {edit}"
-            assert edit.ffma == 64 * stored_regions + 16 * rs_regions, f"{v.name} {mode}: {edit}"
-            assert edit.ffma // 4 < edit.changed <= edit.ffma // 2 + 2 * edit.regions, f"{v.name} {mode}: {edit}"
 
 
 def test_cluster_variants_compile_without_spills_at_every_rank_count(tmp_path, monkeypatch):
@@ -185,7 +171,7 @@ def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch
         assert not kernel.report.serialized_wgmma, f"{name}: {kernel.report.serialized_wgmma}"
 
 
-@pytest.mark.parametrize("name, min_modes", [("mainloop", 10), ("fp4_expand", 8)])
+@pytest.mark.parametrize("name, min_modes", [("mainloop", 2), ("fp4_expand", 10)])
 def test_the_microbenchmarks_compile_without_spills_or_serialized_wgmma(tmp_path, name, min_modes):
     import subprocess
 

@@ -15,46 +15,19 @@
 //   expand_vs_mma  warpgroup 1 runs `expand` while warpgroup 2 runs `mma` on its own tile: the
 //                  expansion beside the other warpgroup's WGMMAs and their shared-memory reads
 //   nofence        kernel without the proxy fence (the WGMMAs may read stale bytes: timing only)
-//   pipelined      kernel with K block kb + 1's expansion issued between kb's commit and wait
-//   ordered        kernel with the warpgroups' WGMMAs in turns (two named barriers): each
-//                  warpgroup expands while the other's WGMMAs run
-//   wide           a block_m 128 tile's loop as the kernel ran it before it split wide tiles by
-//                  columns (docs/PERF_NOTES.md entry 107): each warpgroup expands its half, a barrier
-//                  of both, then each multiplies both halves (two rounds of 4 WGMMAs, wait,
-//                  promotion): twice the WGMMA work per expanded stage
-//   wide_pipelined wide with K block kb + 1's expansion issued under kb's first half of WGMMAs
-//   quad           four consumer warpgroups (640 threads; setmaxnreg 56 / 104), each owning one
-//                  64-row quarter of B as block_m 64 with four warpgroups would: expand the
-//                  quarter, warpgroup barrier, 4 SS m64n64k32, wait, 32-FFMA promotion
-//   quad_mma       quad without the expansion
-//   quad_expand    quad's expansion alone, in all four warpgroups at once
-//   rs16           weights as register-sourced A (no e4m3 tile): each warpgroup owns two 64-row
-//                  units of B; per unit a thread loads its rows' 16-byte runs as the kernel does,
-//                  transposes the words across its quad (so that each holds the words a fragment
-//                  needs: the layout a host packing in fragment order would give), expands them
-//                  straight into A fragments, and runs 4 RS m64n16k32 per unit for one 16-token
-//                  group of the A tile (as B), wait, 16-FFMA promotion: a decode block's work
-//   rs64           rs16 for four 16-token groups (a full 64-row block)
-//   rs_expand      rs16's loads, transposes and expansion alone
-//   rs16_packed    rs16 without the transposes: the stage as a host packing in fragment order would
-//                  store it (each thread's 16-byte load already holds its fragments' words)
-//   rs64_packed    rs64 the same way
-//   rs16_stage     rs16 on the kernel's stage layout (fp4.cuh: each thread's fragment words one
-//                  16-byte group at a swizzled slot): one load a row, no transposes
-//   rs64_stage     rs64 the same way
-// (the rs modes above time the computed-entry path: every scale normal)
+//   rs16_stage     weights as register-sourced A on the kernel's stage layout (fp4.cuh: each
+//                  thread's fragment words one 16-byte group at a swizzled slot): each warpgroup
+//                  owns two 64-row units of B; per unit a thread loads its two rows' groups (one load
+//                  a row), expands them straight into A fragments and runs 4 RS m64n16k32 per unit
+//                  for one 16-token group of the A tile (as B), wait, 16-FFMA promotion
+//   rs64_stage     rs16_stage for four 16-token groups (a full 64-row block)
+// (the two modes above time the computed-entry path: every scale normal)
 //   rs_kernel      the kernel's register-operand K block as consumer.cuh's run_tile_rs runs it:
 //                  each warpgroup's two 64-row units, every scale entry from the table
 //                  (fp4_unit_fragments), the four A scales and two B scales loaded per K block, 8 RS
 //                  m64n16k32, one wait, 16-FFMA promotion (no stage waits or releases: data stays)
 //   rs_quad        rs_kernel in four consumer warpgroups (640 threads; setmaxnreg 56 / 104), each one
 //                  64-row unit of the stage: the same work per stage over twice the warps
-//   wide_c2        wide in 2-CTA clusters sharing the expansion: each CTA expands one 128-row half
-//                  of the stage (each warpgroup a quarter), copies it into the other CTA's e4m3 tile
-//                  (cp.async.bulk shared::cluster, completing on that CTA's mbarrier) and runs the
-//                  wide tile's WGMMAs: its own half first, then the other's once it has landed; a CTA
-//                  copies into a tile only after the other CTA's WGMMAs of two K blocks back (an
-//                  mbarrier each warpgroup arrives on remotely)
 // Prints each mode's cycles per K block in each consumer warpgroup (mean over the SMs; a warpgroup
 // that idles prints "-").  Numbers only: the codes are a hash of their position, every scale index is
 // normal (the computed table entries) unless --subnormal puts one in every fourth row.
@@ -74,7 +47,6 @@
 #include "../megamoe/fp4.cuh"
 #include "../megamoe/ptx.cuh"
 #include "check.cuh"
-#include "wgmma_ops.cuh"
 
 namespace ptx = megamoe::ptx;
 using megamoe::kFp4DataBytes;
@@ -82,18 +54,12 @@ using megamoe::kFp4NumScales;
 using megamoe::kFp4StageK;
 using megamoe::kFp4StageRows;
 
-enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kPipelined, kOrdered, kWide, kWidePipelined,
-            kQuad, kQuadMma, kQuadExpand, kRs16, kRs64, kRsExpand, kWideC2, kRs16Packed, kRs64Packed, kRs16Stage, kRs64Stage, kRsKernel, kRsQuad, kNumModes };
+enum Mode { kKernel, kMma, kExpand, kExpandAlone, kExpandVsMma, kNoFence, kRs16Stage, kRs64Stage, kRsKernel, kRsQuad,
+            kNumModes };
 static const char* kModeNames[kNumModes] = {"kernel", "mma", "expand", "expand_alone", "expand_vs_mma",
-                                            "nofence", "pipelined", "ordered", "wide", "wide_pipelined",
-                                            "quad", "quad_mma", "quad_expand", "rs16", "rs64", "rs_expand",
-                                            "wide_c2", "rs16_packed", "rs64_packed", "rs16_stage", "rs64_stage",
-                                            "rs_kernel", "rs_quad"};
-__host__ __device__ constexpr bool is_rs(Mode m) {
-    return m == kRs16 || m == kRs64 || m == kRsExpand || m == kRs16Packed || m == kRs64Packed || m == kRs16Stage ||
-           m == kRs64Stage;
-}
-__host__ __device__ constexpr bool is_quad(Mode m) { return m == kQuad || m == kQuadMma || m == kQuadExpand || m == kRsQuad; }
+                                            "nofence", "rs16_stage", "rs64_stage", "rs_kernel", "rs_quad"};
+__host__ __device__ constexpr bool is_rs(Mode m) { return m == kRs16Stage || m == kRs64Stage; }
+__host__ __device__ constexpr bool is_quad(Mode m) { return m == kRsQuad; }
 __host__ __device__ constexpr bool is_rs_kernel(Mode m) { return m == kRsKernel || m == kRsQuad; }
 // Consumer warpgroups and threads of a mode's CTA (one more warpgroup idles, as the kernel's producer's)
 __host__ __device__ constexpr uint32_t consumer_wgs(Mode m) { return is_quad(m) ? 4 : 2; }
@@ -105,10 +71,10 @@ constexpr uint32_t kTileBytes = kFp4StageRows * kFp4StageK;  // e4m3
 constexpr uint32_t kABytes = 64 * kFp4StageK;
 constexpr uint32_t kWarmup = 16;  // K blocks before the timed ones
 constexpr uint32_t kIdleRegisters = 56, kConsumerRegisters = 224;  // kernel.cuh's producer and consumer budgets
-// quad: 640 threads start at 96 registers; the idle warpgroup releases 40 each at 56
+// rs_quad: 640 threads start at 96 registers; the idle warpgroup releases 40 each at 56
 constexpr uint32_t kQuadConsumerRegisters = 104;  // setmaxnreg.inc takes only what .dec released
-// Named barriers (0 is __syncthreads): all consumers, each warpgroup's expansion (quad: 6-9), the turns
-constexpr uint32_t kBarBoth = 1, kBarExpand = 2, kBarTurn = 4, kBarQuadExpand = 6;
+// Named barriers (0 is __syncthreads): all consumers, each warpgroup's expansion
+constexpr uint32_t kBarBoth = 1, kBarExpand = 2;
 
 struct Smem {
     uint8_t b[2][kTileBytes];  // first: 1024-byte aligned for the 128B swizzle
@@ -138,14 +104,14 @@ __device__ __forceinline__ uint32_t hash32(uint32_t x) {
 
 template <Mode kMode>
 __device__ __forceinline__ bool expands(uint32_t wg) {
-    if constexpr (kMode == kMma || kMode == kQuadMma) return false;
+    if constexpr (kMode == kMma) return false;
     if constexpr (kMode == kExpandAlone || kMode == kExpandVsMma) return wg == 0;
     return true;
 }
 
 template <Mode kMode>
 __device__ __forceinline__ bool multiplies(uint32_t wg) {
-    if constexpr (kMode == kExpand || kMode == kExpandAlone || kMode == kQuadExpand) return false;
+    if constexpr (kMode == kExpand || kMode == kExpandAlone) return false;
     if constexpr (kMode == kExpandVsMma) return wg == 1;
     return true;
 }
@@ -158,46 +124,32 @@ __device__ __forceinline__ void expand_stage(Smem& s, uint32_t kb, uint32_t wg, 
 
 __device__ __forceinline__ void expand_barrier(uint32_t wg) { ptx::named_bar_sync(kBarExpand + wg, 128); }
 
-// 4 SS m64nNk32 (N = 2 x the accumulators: 128 or 64) of tile kb % 2's B rows from `first_row`
-// into `part`, committed, not waited for.
-template <uint32_t kAcc>
-__device__ __forceinline__ void issue_mma_rows(Smem& s, uint32_t kb, uint32_t first_row, float (&part)[kAcc]) {
+// 4 SS m64n128k32 of tile kb % 2's B half `half` (128 rows) into `part`, committed, not waited for.
+__device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t half, float (&part)[64]) {
     const uint64_t desc_a = ptx::make_smem_desc_sw128(s.a);
-    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + first_row * kFp4StageK);
+    const uint64_t desc_b = ptx::make_smem_desc_sw128(s.b[kb & 1] + half * 128 * kFp4StageK);
     #pragma unroll
-    for (uint32_t i = 0; i < kAcc; ++i)
+    for (uint32_t i = 0; i < 64; ++i)
         ptx::warpgroup_fence_operand(part[i]);
     ptx::wgmma_fence();
     #pragma unroll
-    for (uint32_t k = 0; k < kFp4StageK / 32; ++k) {
-        if constexpr (kAcc == 64)
-            ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
-        else
-            wgmma_ss_m64n64k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
-    }
+    for (uint32_t k = 0; k < kFp4StageK / 32; ++k)
+        ptx::wgmma_m64n128k32_e4m3(part, desc_a + 2 * k, desc_b + 2 * k, k > 0 ? 1 : 0);
     ptx::wgmma_commit();
 }
 
-// B half `half` (128 rows)
-__device__ __forceinline__ void issue_mma(Smem& s, uint32_t kb, uint32_t half, float (&part)[64]) {
-    issue_mma_rows<64>(s, kb, half * 128, part);
-}
-
 // Wait for the warpgroup's WGMMAs, then promote as run_tile does: acc += part * sfa(row) * sfb(group).
-// `acc`: the N accumulators of the half (a wide tile's warpgroup has two halves' worth; a quad
-// warpgroup's quarter has 32).
-template <uint32_t N = 64>
-__device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, float (&part)[N], float* acc) {
+__device__ __forceinline__ void wait_and_promote(const Smem& s, uint32_t tid, float (&part)[64], float (&acc)[64]) {
     const uint32_t r0 = ((tid % 128) / 32) * 16 + (tid % 32) / 4;
     const float sfa0 = ptx::ld_shared_f32(&s.sfa[r0]), sfa1 = ptx::ld_shared_f32(&s.sfa[r0 + 8]);
     const float sfb_even = ptx::ld_shared_f32(&s.sfb[0]), sfb_odd = ptx::ld_shared_f32(&s.sfb[1]);
     ptx::wgmma_wait<0>();
     #pragma unroll
-    for (uint32_t i = 0; i < N; ++i)
+    for (uint32_t i = 0; i < 64; ++i)
         ptx::warpgroup_fence_operand(part[i]);
     const float s00 = sfa0 * sfb_even, s01 = sfa0 * sfb_odd, s10 = sfa1 * sfb_even, s11 = sfa1 * sfb_odd;
     #pragma unroll
-    for (uint32_t i = 0; i < N; ++i) {
+    for (uint32_t i = 0; i < 64; ++i) {
         const bool odd_group = ((i / 4) % 2) == 1;
         const bool second_row = ((i / 2) % 2) == 1;
         const float scale = second_row ? (odd_group ? s11 : s10) : (odd_group ? s01 : s00);
@@ -228,84 +180,28 @@ __device__ __forceinline__ void report(Result* out, const float* acc, long long 
     }
 }
 
-// One K block of a quad mode in consumer warpgroup wg (0-3): its 64-row quarter of tile kb % 2,
-// which only it writes and reads, as split columns do with halves.
-template <Mode kMode>
-__device__ __forceinline__ void quad_k_block(Smem& s, uint32_t kb, uint32_t wg, uint32_t tid, float (&part)[32],
-                                             float (&acc)[32]) {
-    if (expands<kMode>(wg)) {
-        megamoe::fp4_expand_part<4>(s.raw[kb % kStages], s.table, s.b[kb & 1], wg, false, tid);
-        ptx::fence_proxy_async_shared();
-        ptx::named_bar_sync(kBarQuadExpand + wg, 128);
-    }
-    if (!multiplies<kMode>(wg))
-        return;
-    issue_mma_rows<32>(s, kb, wg * 64, part);
-    wait_and_promote<32>(s, tid, part, acc);
-}
-
-// A 4 x 4 transpose of words across the four lanes of a quad: lane q's w[j] becomes lane j's w[q]
-// (two exchange steps, lanes q ^ 2 then q ^ 1, each trading the two words the other needs).
-__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], uint32_t q) {
-    #pragma unroll
-    for (uint32_t bit = 2; bit >= 1; bit >>= 1) {
-        const bool high = (q & bit) != 0;
-        #pragma unroll
-        for (uint32_t k = 0; k < 4; ++k) {
-            if (k & bit)
-                continue;
-            // words k and k | bit: a lane with the bit set gives word k and keeps k | bit
-            const uint32_t give = high ? w[k] : w[k | bit];
-            const uint32_t got = __shfl_xor_sync(0xffffffffu, give, bit);
-            if (high)
-                w[k] = got;
-            else
-                w[k | bit] = got;
-        }
-    }
-}
-
 // A fragments of one 64-row unit (rows unit_row + 16 warp + lane / 4 and + 8) for the four K
 // runs: a[s] = {row g K 32 s + 4 t.., row g + 8 same, row g K 32 s + 16 + 4 t.., row g + 8 same}.
-// How a thread gets its words: kTransposed (rs16, rs64: its row's run t as one 16-byte load, then
-// quad_transpose), kVector (the _packed modes: the 16-byte load taken as word t of each run), or
-// kStage (the _stage modes: the kernel's stage layout, fp4.cuh: group t, word t of each run, one
-// 16-byte load from its slot)
-enum class RsLoad { kTransposed, kVector, kStage };
-
-template <RsLoad kLoad>
+// A thread's words are group t of its row in the kernel's stage layout (fp4.cuh): word t of each
+// run, one 16-byte load from its slot.
 __device__ __forceinline__ void rs_row_words(const uint8_t* raw, uint32_t row, uint32_t t, uint32_t (&w)[4]) {
-    if constexpr (kLoad == RsLoad::kStage) {
-        const uint4 v = ptx::ld_shared_v4_u32(
-            reinterpret_cast<const uint4*>(raw + row * megamoe::kFp4RowBytes + megamoe::fp4_group_slot(row, t) * 16));
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else {
-        const uint4 v = ptx::ld_shared_v4_u32(reinterpret_cast<const uint4*>(raw + row * megamoe::kFp4RowBytes + 16 * t));
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-        if constexpr (kLoad == RsLoad::kTransposed)
-            quad_transpose(w, t);
-    }
+    const uint4 v = ptx::ld_shared_v4_u32(
+        reinterpret_cast<const uint4*>(raw + row * megamoe::kFp4RowBytes + megamoe::fp4_group_slot(row, t) * 16));
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
 }
 
-template <RsLoad kLoad>
 __device__ __forceinline__ void rs_unit_fragments(const uint8_t* raw, uint32_t unit_row, uint32_t tid, uint32_t (&a)[4][4]) {
     const uint32_t warp = (tid % 128) / 32, lane = tid % 32, t = lane % 4;
     const uint32_t r1 = unit_row + 16 * warp + lane / 4, r2 = r1 + 8;
     const uint32_t i1 = ptx::ld_shared_u32(raw + kFp4DataBytes + r1 * 4), i2 = ptx::ld_shared_u32(raw + kFp4DataBytes + r2 * 4);
     uint32_t w1[4], w2[4];
-    rs_row_words<kLoad>(raw, r1, t, w1);
-    rs_row_words<kLoad>(raw, r2, t, w2);
+    rs_row_words(raw, r1, t, w1);
+    rs_row_words(raw, r2, t, w2);
     #pragma unroll
     for (uint32_t s = 0; s < 4; ++s) {
         megamoe::fp4_expand_word(w1[s], megamoe::fp4_entry((i1 >> (8 * s)) & 0xffu), a[s][0], a[s][2]);
         megamoe::fp4_expand_word(w2[s], megamoe::fp4_entry((i2 >> (8 * s)) & 0xffu), a[s][1], a[s][3]);
     }
-}
-
-__host__ __device__ constexpr RsLoad rs_load(Mode m) {
-    return (m == kRs16Packed || m == kRs64Packed) ? RsLoad::kVector
-           : (m == kRs16Stage || m == kRs64Stage) ? RsLoad::kStage
-                                                  : RsLoad::kTransposed;
 }
 
 template <uint32_t kGroups>
@@ -319,22 +215,14 @@ __device__ __forceinline__ void fence_groups(float (&part)[4][2][8]) {
                 ptx::warpgroup_fence_operand(part[g][u][i]);
 }
 
-// One K block of an rs mode in consumer warpgroup wg: kGroups 16-token groups of the A tile.
-template <Mode kMode, uint32_t kGroups>
+// One K block of rs16_stage / rs64_stage in consumer warpgroup wg: kGroups 16-token groups of the A tile.
+template <uint32_t kGroups>
 __device__ __forceinline__ void rs_k_block(Smem& s, uint32_t kb, uint32_t wg, uint32_t tid, float (&part)[4][2][8],
                                            float (&acc)[4][2][8]) {
     uint32_t a[2][4][4];
     #pragma unroll
     for (uint32_t u = 0; u < 2; ++u)
-        rs_unit_fragments<rs_load(kMode)>(s.raw[kb % kStages], 128 * wg + 64 * u, tid, a[u]);
-    if constexpr (kMode == kRsExpand) {
-        #pragma unroll
-        for (uint32_t u = 0; u < 2; ++u)
-            #pragma unroll
-            for (uint32_t k = 0; k < 4; ++k)
-                acc[0][u][k] += __uint_as_float(a[u][k][0] ^ a[u][k][1] ^ a[u][k][2] ^ a[u][k][3]);
-        return;
-    }
+        rs_unit_fragments(s.raw[kb % kStages], 128 * wg + 64 * u, tid, a[u]);
     const uint64_t desc = ptx::make_smem_desc_sw128(s.a);
     fence_groups<kGroups>(part);
     ptx::wgmma_fence();
@@ -454,56 +342,17 @@ __device__ __forceinline__ void rs_kernel_loop(Smem& s, uint32_t tid, uint32_t w
 
 // One K block of the mode in warpgroup wg (kb counts from 0 over warm-up and timed blocks).
 template <Mode kMode>
-__device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t num_kb, uint32_t wg, uint32_t tid,
-                                        float (&part)[64], float (&acc)[128]) {
-    if constexpr (kMode == kWide) {
-        // each warpgroup expands its half of tile kb % 2, then both read both halves; the tile
-        // is overwritten at kb + 2, after this barrier of kb + 1 that follows both waits of kb
-        expand_stage(s, kb, wg, tid, true);
-        ptx::named_bar_sync(kBarBoth, 256);
-        #pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
-            issue_mma(s, kb, h, part);
-            wait_and_promote(s, tid, part, acc + 64 * h);
-        }
-    } else if constexpr (kMode == kWidePipelined) {
-        // tile kb % 2 was expanded by both warpgroups during kb - 1 (or before the loop) and
-        // ordered by the barrier that ended kb - 1, which also follows both warpgroups' waits of
-        // kb - 1, the last reads of tile (kb + 1) % 2 that this K block's expansion overwrites
-        issue_mma(s, kb, 0, part);
-        if (kb + 1 < num_kb)
-            expand_stage(s, kb + 1, wg, tid, true);
-        wait_and_promote(s, tid, part, acc);
-        issue_mma(s, kb, 1, part);
-        wait_and_promote(s, tid, part, acc + 64);
-        ptx::named_bar_sync(kBarBoth, 256);
-    } else if constexpr (kMode == kPipelined) {
-        // tile kb % 2 was expanded by the previous K block (or before the loop); expand kb + 1
-        // into the other tile under this K block's WGMMAs, which the previous wait finished with
-        issue_mma(s, kb, wg, part);
-        if (kb + 1 < num_kb)
-            expand_stage(s, kb + 1, wg, tid, true);
-        wait_and_promote(s, tid, part, acc);
+__device__ __forceinline__ void k_block(Smem& s, uint32_t kb, uint32_t wg, uint32_t tid,
+                                        float (&part)[64], float (&acc)[64]) {
+    if (expands<kMode>(wg)) {
+        expand_stage(s, kb, wg, tid, kMode != kNoFence);
         expand_barrier(wg);
-    } else if constexpr (kMode == kOrdered) {
-        expand_stage(s, kb, wg, tid, true);
-        expand_barrier(wg);
-        ptx::named_bar_sync(kBarTurn + wg, 256);  // this warpgroup's turn on the tensor cores
-        issue_mma(s, kb, wg, part);
-        if (wg == 0 || kb + 1 < num_kb)  // the other's turn; its last needs no arrival
-            ptx::named_bar_arrive(kBarTurn + (wg ^ 1), 256);
+    }
+    if (multiplies<kMode>(wg)) {
+        // expand_vs_mma: warpgroup 2 multiplies its own half of tile 1, which warpgroup 1's
+        // expansion into tile kb % 2 only ever writes the other half of
+        issue_mma(s, kMode == kExpandVsMma ? 1 : kb, wg, part);
         wait_and_promote(s, tid, part, acc);
-    } else {
-        if (expands<kMode>(wg)) {
-            expand_stage(s, kb, wg, tid, kMode != kNoFence);
-            expand_barrier(wg);
-        }
-        if (multiplies<kMode>(wg)) {
-            // expand_vs_mma: warpgroup 2 multiplies its own half of tile 1, which warpgroup 1's
-            // expansion into tile kb % 2 only ever writes the other half of
-            issue_mma(s, kMode == kExpandVsMma ? 1 : kb, wg, part);
-            wait_and_promote(s, tid, part, acc);
-        }
     }
 }
 
@@ -555,28 +404,9 @@ __global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint3
         else
             ptx::setmaxnreg_inc<kConsumerRegisters>();
         rs_kernel_loop<kMode>(s, tid, wg, num_kb, kConsumers, out);
-    } else if constexpr (is_quad(kMode)) {
-        ptx::setmaxnreg_inc<kQuadConsumerRegisters>();
-        for (uint32_t kb = 0; kb < 2; ++kb)
-            megamoe::fp4_expand_part<4>(s.raw[kb % kStages], s.table, s.b[kb & 1], wg, false, tid);
-        ptx::fence_proxy_async_shared();
-        ptx::named_bar_sync(kBarBoth, kConsumers);
-        float part[32], acc[32];
-        #pragma unroll
-        for (uint32_t i = 0; i < 32; ++i)
-            part[i] = acc[i] = 0.0f;
-        long long start = 0;
-        for (uint32_t kb = 0; kb < kWarmup + num_kb; ++kb) {
-            if (kb == kWarmup) {
-                ptx::named_bar_sync(kBarBoth, kConsumers);
-                start = clock64();
-            }
-            quad_k_block<kMode>(s, kb, wg, tid, part, acc);
-        }
-        report<32>(out, acc, clock64() - start, wg, tid);
     } else if constexpr (is_rs(kMode)) {
         ptx::setmaxnreg_inc<kConsumerRegisters>();
-        constexpr uint32_t kGroups = kMode == kRs64 || kMode == kRs64Packed || kMode == kRs64Stage ? 4 : 1;
+        constexpr uint32_t kGroups = kMode == kRs64Stage ? 4 : 1;
         float part[4][2][8], acc[4][2][8];
         #pragma unroll
         for (uint32_t g = 0; g < 4; ++g)
@@ -591,7 +421,7 @@ __global__ void __launch_bounds__(cta_threads(kMode), 1) fp4_expand_kernel(uint3
                 ptx::named_bar_sync(kBarBoth, kConsumers);
                 start = clock64();
             }
-            rs_k_block<kMode, kGroups>(s, kb, wg, tid, part, acc);
+            rs_k_block<kGroups>(s, kb, wg, tid, part, acc);
         }
         report<64>(out, &acc[0][0][0], clock64() - start, wg, tid);
     } else {
@@ -608,135 +438,25 @@ __device__ __forceinline__ void two_consumers(Smem& s, uint32_t tid, uint32_t wg
         expand_stage(s, kb, wg, tid, true);
     ptx::named_bar_sync(kBarBoth, 256);
 
-    float part[64], acc[128];
+    float part[64], acc[64];
     zero(part);
     zero(acc);
     const bool active = expands<kMode>(wg) || multiplies<kMode>(wg);
     const uint32_t total = kWarmup + num_kb;
-    if (kMode == kOrdered && wg == 1)
-        ptx::named_bar_arrive(kBarTurn, 256);  // the first turn is warpgroup 1's (wg 0)
     long long start = 0;
     if (active) {
         for (uint32_t kb = 0; kb < total; ++kb) {
             if (kb == kWarmup) {
-                if constexpr (kMode != kOrdered && kMode != kExpandAlone)
+                if constexpr (kMode != kExpandAlone)
                     ptx::named_bar_sync(kBarBoth, 256);  // the timed blocks start together
                 start = clock64();
             }
-            k_block<kMode>(s, kb, total, wg, tid, part, acc);
+            k_block<kMode>(s, kb, wg, tid, part, acc);
         }
-    } else if constexpr (kMode != kOrdered && kMode != kExpandAlone) {
+    } else if constexpr (kMode != kExpandAlone) {
         ptx::named_bar_sync(kBarBoth, 256);  // an idle warpgroup still meets the start barrier
     }
-    report<128>(out, acc, clock64() - start, wg, tid, active);
-}
-
-// wide_c2: the two CTAs of a cluster share each stage's expansion (see the modes above).
-struct ClusterBarriers {
-    uint64_t recv[2];  // e4m3 tile b: the other CTA's half landed (one arrival with its bytes)
-    uint64_t free[2];  // e4m3 tile b: the other CTA's two warpgroups are done reading it
-};
-
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
-    fp4_expand_kernel_wide_c2(uint32_t num_kb, Result* out) {
-    extern __shared__ __align__(1024) uint8_t smem_raw[];
-    Smem& s = *reinterpret_cast<Smem*>(smem_raw + (1024u - ptx::smem_addr(smem_raw) % 1024u) % 1024u);
-    __shared__ ClusterBarriers cb;
-    const uint32_t rank = ptx::cluster_ctarank(), peer = rank ^ 1;
-    for (uint32_t i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
-        const uint32_t stage = i / (kStageBytes / 4), word = i % (kStageBytes / 4);
-        uint32_t v = hash32(i * 2654435761u + blockIdx.x);
-        if (word >= kFp4DataBytes / 4) {
-            uint32_t idx = 0;
-            for (uint32_t r = 0; r < 4; ++r)
-                idx |= (megamoe::kFp4FirstNormalIndex + ((v >> (8 * r)) & 0xffu) % (32 - megamoe::kFp4FirstNormalIndex)) << (8 * r);
-            v = idx;
-        }
-        reinterpret_cast<uint32_t*>(s.raw[stage])[word] = v;
-    }
-    for (uint32_t i = threadIdx.x; i < kABytes / 4; i += blockDim.x)
-        reinterpret_cast<uint32_t*>(s.a)[i] = hash32(i + 7u) & 0x37373737u;
-    if (threadIdx.x < kFp4NumScales)
-        s.table[threadIdx.x] = megamoe::fp4_table_entry(threadIdx.x);
-    if (threadIdx.x < 64)
-        s.sfa[threadIdx.x] = 1.0f + threadIdx.x * 1e-3f;
-    if (threadIdx.x < 4)
-        s.sfb[threadIdx.x] = 0.5f;
-    if (threadIdx.x == 0) {
-        for (uint32_t b = 0; b < 2; ++b) {
-            ptx::mbar_init(&cb.recv[b], 1);
-            ptx::mbar_init(&cb.free[b], 2);
-        }
-        ptx::fence_mbarrier_init();
-    }
-    __syncthreads();
-    ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival or copy
-    if (threadIdx.x < 128) {
-        ptx::setmaxnreg_dec<kIdleRegisters>();
-    } else {
-        ptx::setmaxnreg_inc<kConsumerRegisters>();
-        const uint32_t tid = threadIdx.x - 128, wg = tid / 128;
-        float part[64], acc[128];
-        zero(part);
-        zero(acc);
-        const uint32_t total = kWarmup + num_kb;
-        long long start = 0;
-        for (uint32_t kb = 0; kb < total; ++kb) {
-            if (kb == kWarmup) {
-                ptx::named_bar_sync(kBarBoth, 256);
-                start = clock64();
-            }
-            const uint32_t b = kb & 1;
-            // this CTA's half: each warpgroup one quarter (rows 128 rank + 64 wg ..)
-            megamoe::fp4_expand_part<4>(s.raw[kb % kStages], s.table, s.b[b], 2 * rank + wg, false, tid);
-            ptx::fence_proxy_async_shared();  // the copy and the WGMMAs read it through the async proxy
-            // both warpgroups' quarters written, and both done with kb - 1's WGMMAs (the local
-            // half of tile b was last read at kb - 2)
-            ptx::named_bar_sync(kBarBoth, 256);
-            if (tid == 0) {
-                ptx::mbar_arrive_expect_tx(&cb.recv[b], 128 * kFp4StageK);
-                if (kb >= 2)  // the other CTA's WGMMAs of kb - 2 are done with its tile b
-                    while (!ptx::mbar_try_wait(&cb.free[b], ((kb >> 1) & 1) ^ 1)) {
-                    }
-                const uint32_t half = rank * 128 * kFp4StageK;
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                        ptx::map_shared_to_rank(s.b[b] + half, peer)),
-                    "r"(ptx::smem_addr(s.b[b] + half)), "r"(128 * kFp4StageK), "r"(ptx::map_shared_to_rank(&cb.recv[b], peer))
-                    : "memory");
-            }
-            issue_mma(s, kb, rank, part);
-            wait_and_promote(s, tid, part, acc);
-            while (!ptx::mbar_try_wait(&cb.recv[b], (kb >> 1) & 1)) {
-            }
-            issue_mma(s, kb, peer, part);
-            wait_and_promote(s, tid, part, acc + 64);
-            if (tid % 128 == 0)  // this warpgroup is done with tile b: the other CTA may copy into it
-                ptx::mbar_arrive_cluster(ptx::map_shared_to_rank(&cb.free[b], peer));
-        }
-        report<128>(out, acc, clock64() - start, wg, tid);
-    }
-    ptx::cluster_sync();  // no CTA leaves while the other may still copy into it or arrive on it
-}
-
-static void run_wide_c2(const char* name, uint32_t num_kb, int num_sms) {
-    const size_t smem = sizeof(Smem) + 1024;
-    CHECK(cudaFuncSetAttribute(fp4_expand_kernel_wide_c2, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    Result* d_out;
-    CHECK(cudaMalloc(&d_out, sizeof(Result)));
-    Result r{};
-    for (int rep = 0; rep < 3; ++rep) {
-        CHECK(cudaMemset(d_out, 0, sizeof(Result)));
-        fp4_expand_kernel_wide_c2<<<num_sms & ~1, 384, smem>>>(num_kb, d_out);
-        CHECK(cudaGetLastError());
-        CHECK(cudaDeviceSynchronize());
-    }
-    CHECK(cudaMemcpy(&r, d_out, sizeof(Result), cudaMemcpyDeviceToHost));
-    CHECK(cudaFree(d_out));
-    printf("%-14s", name);
-    for (int w = 0; w < 2; ++w)
-        printf(" %10.1f", r.ctas[w] ? static_cast<double>(r.cycles[w]) / r.ctas[w] / num_kb : 0.0);
-    printf("   (sink %g)\n", static_cast<double>(r.sink));
+    report<64>(out, acc, clock64() - start, wg, tid, active);
 }
 
 template <Mode kMode>
@@ -803,19 +523,6 @@ int main(int argc, char** argv) {
             case kExpandAlone: run<kExpandAlone>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kExpandVsMma: run<kExpandVsMma>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kNoFence: run<kNoFence>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kPipelined: run<kPipelined>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kOrdered: run<kOrdered>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kWide: run<kWide>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kWidePipelined: run<kWidePipelined>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kQuad: run<kQuad>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kQuadMma: run<kQuadMma>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kQuadExpand: run<kQuadExpand>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kRs16: run<kRs16>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kRs64: run<kRs64>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kRsExpand: run<kRsExpand>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kWideC2: run_wide_c2(kModeNames[m], num_kb, num_sms); break;
-            case kRs16Packed: run<kRs16Packed>(kModeNames[m], num_kb, subnormal, num_sms); break;
-            case kRs64Packed: run<kRs64Packed>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRs16Stage: run<kRs16Stage>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRs64Stage: run<kRs64Stage>(kModeNames[m], num_kb, subnormal, num_sms); break;
             case kRsKernel: run<kRsKernel>(kModeNames[m], num_kb, subnormal, num_sms); break;

@@ -1,40 +1,19 @@
-// Main-loop microbenchmark: the FP8 WGMMA K loop of one 128 x N tile per CTA with per-128-K
-// promotion, alone (no dispatch, no epilogue), in several shapes, to find what bounds the
-// fused kernel's main loop.  One CTA per SM: warp 0 streams stages with 1-D bulk copies from
-// an L2-resident buffer (or, with --no-load, only signals them), warpgroups 1 and 2 consume.
+// Main-loop microbenchmark: the FP8 WGMMA K loop of one 128 x 256 tile per CTA with per-128-K
+// promotion, alone (no dispatch, no epilogue), to find what bounds the fused kernel's main loop.
+// One CTA per SM: warp 0 streams stages with 1-D bulk copies from an L2-resident buffer (or, with
+// --no-load, only signals them), warpgroups 1 and 2 consume.
 //
 // Modes (per 128-K block, per consumer warpgroup owning 64 rows):
 //   halves      the fused kernel's loop: 2 x (4 SS m64n128k32 into a 64-register partial,
 //               wait, 64 FFMA promotion)                                     tile 128 x 256
-//   nopromo128  8 SS m64n128k32 straight into the accumulators, no wait      tile 128 x 256
-//   nopromo256  4 SS m64n256k32 straight into the accumulators, no wait      tile 128 x 256
-//   quarters    4 x (4 SS m64n64k32) into two alternating 32-register partials; each
-//               quarter is promoted while the next one runs (wait<1>)       tile 128 x 256
-//   rs_halves   halves with A fragments loaded by ldmatrix (RS WGMMA)        tile 128 x 256
-//   rs_quarters quarters with A from registers                               tile 128 x 256
-//   halves_la   halves, with the next K block's full-barrier wait moved under the second
-//               half's WGMMAs (off the path from the last promotion to the next WGMMA)
-//   n128_db     tile 128 x 128: 4 SS m64n128k32 into two alternating partials, each K block's
-//               partial promoted while the next block runs                   tile 128 x 128
-//   rescale256  no partial: the accumulators are kept in units of the current K block's scales
-//               (multiplied by s(kb-1) / s(kb) per row and 128-column half before block kb's
-//               4 SS m64n256k32, by the last block's scales at the end), wait, release
-//                                                                            tile 128 x 256
-//   rescale_halves  the same, as two m64n128 halves issued back to back; half 0 is rescaled for
-//               the next block while half 1 still runs (wait<1>), half 1 after wait<0>
-//                                                                            tile 128 x 256
-//   pingpong    each warpgroup owns its own 64 x 256 tiles (CUTLASS's ping-pong schedule):
-//               the warpgroups take tiles of --tile-kb stages in turn (one stage each without
-//               it), each runs halves' K loop on its tile (A: the stage's first 64 rows) and
-//               then its epilogue (the --tile-kb cycles, no barrier) while the other's tile
-//               runs, the K loops in tile order; the stages stay one in-order ring.  Cycles and TFLOPS count its 64-row
-//               K blocks as half of one 128 x 256 block              tiles 64 x 256
+//   nopromo128  the same WGMMAs straight into the accumulators, no wait or promotion: the loop's
+//               ceiling without promotion                                    tile 128 x 256
 // Numbers only: operands are arbitrary bytes, the result is summed into a sink.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o mainloop mainloop.cu
 // Run:   ./mainloop [--no-load] [--random] [--src-mib N] [--b-stream G] [--kblocks N] [mode ...]
 // (--b-stream G: B streamed from DRAM, each group of G CTAs reading one sequence once;
-//  --tile-kb N C: halves and rescale256 modes only, a tile boundary every N K blocks: both warpgroups meet
+//  --tile-kb N C: halves only, a tile boundary every N K blocks: both warpgroups meet
 //  at a barrier and spend C cycles, like the epilogue; --no-tile-barrier: without the barrier;
 //  --stagger S: warpgroup 2 spends S more cycles there; --copy-mib M: warps 1-3 copy rows between
 //  two M MiB buffers the whole time, like the fused kernel's dispatch warps; --tma2d: A and B by 2-D
@@ -54,29 +33,23 @@
 
 #include "../megamoe/ptx.cuh"
 #include "check.cuh"
-#include "wgmma_ops.cuh"
 
 namespace ptx = megamoe::ptx;
 
-enum Mode { kHalves, kNoPromo128, kNoPromo256, kQuarters, kRsHalves, kRsQuarters, kN128Db, kHalvesLookahead, kRescale256, kRescaleHalves, kPingPong, kNumModes };
-static const char* kModeNames[kNumModes] = {"halves", "nopromo128", "nopromo256", "quarters",
-                                            "rs_halves", "rs_quarters", "n128_db", "halves_la", "rescale256", "rescale_halves",
-                                            "pingpong"};
-// Rows of A a mode's stage carries and its tile's M (pingpong: one warpgroup's 64)
-__host__ __device__ constexpr uint32_t mode_rows(int mode) { return mode == kPingPong ? 64 : 128; }
+enum Mode { kHalves, kNoPromo128, kNumModes };
+static const char* kModeNames[kNumModes] = {"halves", "nopromo128"};
 
 constexpr uint32_t kStages = 4;
 constexpr uint32_t kABytes = 128 * 128;
-constexpr uint32_t kBBytesMax = 256 * 128;
+constexpr uint32_t kBBytes = 256 * 128;
 
 struct Smem {
     uint8_t a[kStages][kABytes];
-    uint8_t b[kStages][kBBytesMax];
+    uint8_t b[kStages][kBBytes];
     float sfa[kStages][128];
     uint64_t full[kStages];
     uint64_t empty[kStages];
     volatile uint32_t consumers_done;
-    volatile uint32_t turn;  // pingpong with --tile-kb: the tile whose K loop may run
 };
 
 // The mbarrier, TMA and WGMMA wrappers are the fused kernel's (ptx.cuh); this wait is one asm
@@ -100,19 +73,7 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
         ptx::warpgroup_fence_operand(r[i]);
 }
 
-// A fragments (RS) of k step ks for this warp's 16 rows, from the 128B-swizzled A tile.
-__device__ __forceinline__ void load_a_frag(const uint8_t* a_tile, uint32_t warp_row0, uint32_t ks, uint32_t lane,
-                                            uint32_t (&a)[4]) {
-    const uint32_t i = lane / 8, j = lane % 8;
-    const uint32_t row = warp_row0 + (i % 2) * 8 + j;
-    const uint32_t chunk = 2 * ks + i / 2;
-    const uint32_t addr = ptx::smem_addr(a_tile) + row * 128 + ((chunk ^ (row % 8)) * 16);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(addr));
-}
-
-// A tile boundary of the halves modes: both warpgroups meet (like the L1 epilogue's barrier)
+// A tile boundary of the halves mode: both warpgroups meet (like the L1 epilogue's barrier)
 // and spend `spin` cycles on epilogue work before the next tile's first K block.
 __device__ __forceinline__ void tile_boundary(bool barrier, uint32_t spin) {
     if (barrier)
@@ -131,28 +92,17 @@ __device__ __forceinline__ void promote(float* acc, float (&part)[N], float s0, 
 
 // One K block of the halves loop on stage s (A rows at descriptor da): per 128-column half, 4 SS
 // m64n128k32 into `part`, wait, promote; the stage released after the second half's wait.
-// `next_full` (halves_la): a barrier to wait at, parity `next_parity`, under the second half's WGMMAs.
-// kRs (rs_halves): A from the fragments `afr` instead of da.
-template <bool kRs = false>
 __device__ __forceinline__ void halves_block(Smem& ss, uint32_t s, uint64_t da, float (&part)[64], float* acc, float sa0,
-                                             float sa1, float sb0, float sb1, uint32_t lane,
-                                             uint64_t* next_full = nullptr, uint32_t next_parity = 0,
-                                             const uint32_t (*afr)[4] = nullptr) {
+                                             float sa1, float sb0, float sb1, uint32_t lane) {
     #pragma unroll
     for (uint32_t h = 0; h < 2; ++h) {
         const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
         fence_regs(part);
         ptx::wgmma_fence();
         #pragma unroll
-        for (uint32_t k = 0; k < 4; ++k) {
-            if constexpr (kRs)
-                wgmma_rs_m64n128k32(part, afr[k], db + 2 * k, k > 0);
-            else
-                wgmma_ss_m64n128k32(part, da + 2 * k, db + 2 * k, k > 0);
-        }
+        for (uint32_t k = 0; k < 4; ++k)
+            ptx::wgmma_m64n128k32_e4m3(part, da + 2 * k, db + 2 * k, k > 0);
         ptx::wgmma_commit();
-        if (h == 1 && next_full != nullptr)
-            mbar_wait(next_full, next_parity);
         ptx::wgmma_wait<0>();
         fence_regs(part);
         if (h == 1 && lane == 0)
@@ -171,20 +121,18 @@ __global__ void __launch_bounds__(384, 1)
                     uint32_t tma_a_blocks, uint32_t tma_b_stages, float* sink, unsigned long long* cycles) {
     extern __shared__ uint8_t raw[];
     Smem& ss = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-    constexpr uint32_t kBBytes = kMode == kN128Db ? 128 * 128 : 256 * 128;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         ss.consumers_done = 0;
-        ss.turn = 0;
         for (uint32_t s = 0; s < kStages; ++s) {
             ptx::mbar_init(&ss.full[s], 1);
-            ptx::mbar_init(&ss.empty[s], kMode == kPingPong ? 4 : 8);  // every consumer warp that reads it
+            ptx::mbar_init(&ss.empty[s], 8);  // every consumer warp that reads it
         }
         ptx::fence_mbarrier_init();
     }
     for (uint32_t i = threadIdx.x; i < kStages * 128; i += blockDim.x)
         (&ss.sfa[0][0])[i] = 1.0f + 1e-3f * (i % 7);
-    for (uint32_t i = threadIdx.x; i < kStages * (kABytes + kBBytesMax) / 4; i += blockDim.x)
+    for (uint32_t i = threadIdx.x; i < kStages * (kABytes + kBBytes) / 4; i += blockDim.x)
         reinterpret_cast<uint32_t*>(&ss.a[0][0])[i] =
             random ? (((i + blockIdx.x * 7919u) * 2654435761u) >> 3) & 0x77777777u  // random finite e4m3 bytes
                    : 0x38383838u ^ (i * 2654435761u & 0x03030303u);
@@ -209,14 +157,13 @@ __global__ void __launch_bounds__(384, 1)
                     ptx::tma_load_2d(ss.b[s], &tmap_b, &ss.full[s], 0, bt * (kBBytes / 128));
                     bulk_load(ss.sfa[s], src, 512, &ss.full[s]);
                 } else if (load) {
-                    const uint8_t* from = src + static_cast<uint64_t>((blockIdx.x * 7 + kb) % src_stages) * (kABytes + kBBytesMax);
-                    constexpr uint32_t kABytesLoaded = mode_rows(kMode) * 128;
-                    ptx::mbar_arrive_expect_tx(&ss.full[s], kABytesLoaded + kBBytes + 512);
-                    bulk_load(ss.a[s], from, kABytesLoaded, &ss.full[s]);
+                    const uint8_t* from = src + static_cast<uint64_t>((blockIdx.x * 7 + kb) % src_stages) * (kABytes + kBBytes);
+                    ptx::mbar_arrive_expect_tx(&ss.full[s], kABytes + kBBytes + 512);
+                    bulk_load(ss.a[s], from, kABytes, &ss.full[s]);
                     // B either from the L2-resident buffer, or streamed: every group of b_group
                     // CTAs reads its own sequence once (like b_group M blocks sharing an expert)
                     const uint8_t* b_from = b_stream != nullptr
-                                                ? b_stream + (static_cast<uint64_t>(blockIdx.x / b_group) * num_kb + kb) * kBBytesMax
+                                                ? b_stream + (static_cast<uint64_t>(blockIdx.x / b_group) * num_kb + kb) * kBBytes
                                                 : from + kABytes;
                     bulk_load(ss.b[s], b_from, kBBytes, &ss.full[s]);
                     bulk_load(ss.sfa[s], reinterpret_cast<const float*>(from), 512, &ss.full[s]);
@@ -246,14 +193,14 @@ __global__ void __launch_bounds__(384, 1)
     const uint32_t wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0);
     const uint32_t wt = threadIdx.x % 128, wwarp = wt / 32;
     const uint32_t r0 = 64 * wg + wwarp * 16 + lane / 4;
-    constexpr uint32_t kAccRegs = kMode == kN128Db ? 64 : 128;
+    constexpr uint32_t kAccRegs = 128;
     float acc[kAccRegs];
     #pragma unroll
     for (uint32_t i = 0; i < kAccRegs; ++i)
         acc[i] = 0.0f;
     const unsigned long long t0 = clock64();
 
-    if constexpr (kMode == kHalves || kMode == kRsHalves) {
+    if constexpr (kMode == kHalves) {
         float part[64];
         for (uint32_t kb = 0; kb < num_kb; ++kb) {
             const uint32_t s = kb % kStages;
@@ -261,59 +208,11 @@ __global__ void __launch_bounds__(384, 1)
             mbar_wait(&ss.full[s], (kb / kStages) & 1);
             const float sa0 = ss.sfa[s][r0] , sa1 = ss.sfa[s][r0 + 8];
             const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
-            uint32_t afr[4][4];
-            if constexpr (kMode == kRsHalves) {
-                #pragma unroll
-                for (uint32_t k = 0; k < 4; ++k)
-                    load_a_frag(ss.a[s], 64 * wg + wwarp * 16, k, lane, afr[k]);
-            }
-            halves_block<kMode == kRsHalves>(ss, s, da, part, acc, sa0, sa1, sb0, sb1, lane, nullptr, 0, afr);
+            halves_block(ss, s, da, part, acc, sa0, sa1, sb0, sb1, lane);
             if (tile_kb != 0 && (kb + 1) % tile_kb == 0)
                 tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
         }
-    } else if constexpr (kMode == kPingPong) {
-        float part[64];
-        const uint32_t tkb = tile_kb != 0 ? tile_kb : 1;
-        const uint32_t rp = wwarp * 16 + lane / 4;  // the thread's first row of the 64-row tile
-        for (uint32_t t = wg; t * tkb < num_kb; t += 2) {
-            // With tiles, the K loops run in tile order (CUTLASS's ordered math barrier): a
-            // warpgroup starts its tile's loop when the other's loop of the tile before ends, and
-            // the stages it then waits for are the ring's next (a wait a phase early would pass
-            // on the previous phase's parity).
-            if (tile_kb != 0) {
-                if (wt == 0)
-                    while (ss.turn != t) {
-                    }
-                asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
-            }
-            const uint32_t end = min((t + 1) * tkb, num_kb);
-            for (uint32_t kb = t * tkb; kb < end; ++kb) {
-                const uint32_t s = kb % kStages;
-                const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
-                mbar_wait(&ss.full[s], (kb / kStages) & 1);
-                const float sa0 = ss.sfa[s][rp], sa1 = ss.sfa[s][rp + 8];
-                halves_block(ss, s, ptx::make_smem_desc_sw128(ss.a[s]), part, acc, sa0, sa1, sb0, sb1, lane);
-            }
-            if (tile_kb != 0) {
-                asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // every warp's last stage waited
-                if (wt == 0)
-                    ss.turn = t + 1;
-                tile_boundary(false, epi_cycles);
-            }
-        }
-    } else if constexpr (kMode == kHalvesLookahead) {
-        float part[64];
-        mbar_wait(&ss.full[0], 0);
-        for (uint32_t kb = 0; kb < num_kb; ++kb) {
-            const uint32_t s = kb % kStages;
-            const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
-            const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-            halves_block(ss, s, ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128), part, acc, sa0, sa1, sb0, sb1, lane,
-                         kb + 1 < num_kb ? &ss.full[(kb + 1) % kStages] : nullptr, ((kb + 1) / kStages) & 1);
-            if (tile_kb != 0 && (kb + 1) % tile_kb == 0)
-                tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
-        }
-    } else if constexpr (kMode == kNoPromo128 || kMode == kNoPromo256) {
+    } else if constexpr (kMode == kNoPromo128) {
         // Accumulators straight in the WGMMA registers; stage kb is released once block kb+1's
         // WGMMAs are issued and kb's have retired (wait<1>).
         for (uint32_t kb = 0; kb < num_kb; ++kb) {
@@ -322,19 +221,12 @@ __global__ void __launch_bounds__(384, 1)
             const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
             fence_regs(acc);
             ptx::wgmma_fence();
-            if constexpr (kMode == kNoPromo256) {
-                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s]);
+            #pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
                 #pragma unroll
                 for (uint32_t k = 0; k < 4; ++k)
-                    wgmma_ss_m64n256k32(acc, da + 2 * k, db + 2 * k, 1);
-            } else {
-                #pragma unroll
-                for (uint32_t h = 0; h < 2; ++h) {
-                    const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + h * 128 * 128);
-                    #pragma unroll
-                    for (uint32_t k = 0; k < 4; ++k)
-                        wgmma_ss_m64n128k32(*reinterpret_cast<float(*)[64]>(acc + 64 * h), da + 2 * k, db + 2 * k, 1);
-                }
+                    ptx::wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc + 64 * h), da + 2 * k, db + 2 * k, 1);
             }
             ptx::wgmma_commit();
             ptx::wgmma_wait<1>();
@@ -344,183 +236,6 @@ __global__ void __launch_bounds__(384, 1)
         }
         ptx::wgmma_wait<0>();
         fence_regs(acc);
-    } else if constexpr (kMode == kQuarters || kMode == kRsQuarters) {
-        // Quarter q of block kb goes into partial q % 2; after issuing quarter q > 0, wait<1>
-        // retires quarter q-1, which is promoted while q runs.  The last quarter is retired at
-        // the start of the next block (no WGMMA in flight across the loop's back edge: ptxas
-        // would serialize them).
-        float p0[32], p1[32];
-        float ps0 = 0.0f, ps1 = 0.0f;  // scales of the pending partial
-        uint32_t afr[4][4];
-        for (uint32_t kb = 0; kb < num_kb; ++kb) {
-            const uint32_t s = kb % kStages;
-            const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
-            mbar_wait(&ss.full[s], (kb / kStages) & 1);
-            const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
-            ptx::wgmma_wait<0>();
-            fence_regs(p1);
-            if (kb > 0) {
-                promote(acc + 96, p1, ps0, ps1);
-                if (lane == 0)
-                    ptx::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
-            }
-            if constexpr (kMode == kRsQuarters) {
-                #pragma unroll
-                for (uint32_t k = 0; k < 4; ++k)
-                    load_a_frag(ss.a[s], 64 * wg + wwarp * 16, k, lane, afr[k]);
-            }
-            #pragma unroll
-            for (uint32_t q = 0; q < 4; ++q) {
-                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s] + q * 64 * 128);
-                float(&cur)[32] = (q % 2) ? p1 : p0;
-                float(&prev)[32] = (q % 2) ? p0 : p1;
-                fence_regs(cur);
-                ptx::wgmma_fence();
-                #pragma unroll
-                for (uint32_t k = 0; k < 4; ++k) {
-                    if constexpr (kMode == kRsQuarters)
-                        wgmma_rs_m64n64k32(cur, afr[k], db + 2 * k, k > 0);
-                    else
-                        wgmma_ss_m64n64k32(cur, da + 2 * k, db + 2 * k, k > 0);
-                }
-                ptx::wgmma_commit();
-                if (q == 0)
-                    continue;
-                ptx::wgmma_wait<1>();
-                fence_regs(prev);
-                promote(acc + 32 * (q - 1), prev, sa0 * (q - 1 < 2 ? sb0 : sb1), sa1 * (q - 1 < 2 ? sb0 : sb1));
-            }
-            ps0 = sa0 * sb1;
-            ps1 = sa1 * sb1;
-        }
-        ptx::wgmma_wait<0>();
-        fence_regs(p1);
-        promote(acc + 96, p1, ps0, ps1);
-    } else if constexpr (kMode == kRescale256) {
-        float p00 = 1.0f, p01 = 1.0f, p10 = 1.0f, p11 = 1.0f;  // previous block's scales: row, half
-        for (uint32_t kb = 0; kb < num_kb; ++kb) {
-            const uint32_t s = kb % kStages;
-            const float sb0 = __ldg(sfb + (kb % 64) * 2), sb1 = __ldg(sfb + (kb % 64) * 2 + 1);
-            mbar_wait(&ss.full[s], (kb / kStages) & 1);
-            const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-            const float c00 = sa0 * sb0, c01 = sa0 * sb1, c10 = sa1 * sb0, c11 = sa1 * sb1;
-            const float q00 = __fdividef(p00, c00), q01 = __fdividef(p01, c01);
-            const float q10 = __fdividef(p10, c10), q11 = __fdividef(p11, c11);
-            #pragma unroll
-            for (uint32_t i = 0; i < 128; ++i)
-                acc[i] *= ((i / 2) % 2) ? (i < 64 ? q10 : q11) : (i < 64 ? q00 : q01);
-            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
-            const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s]);
-            fence_regs(acc);
-            ptx::wgmma_fence();
-            #pragma unroll
-            for (uint32_t k = 0; k < 4; ++k)
-                wgmma_ss_m64n256k32(acc, da + 2 * k, db + 2 * k, 1);
-            ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();
-            fence_regs(acc);
-            if (lane == 0)
-                ptx::mbar_arrive(&ss.empty[s]);
-            p00 = c00, p01 = c01, p10 = c10, p11 = c11;
-            if (tile_kb != 0 && (kb + 1) % tile_kb == 0) {
-                #pragma unroll
-                for (uint32_t i = 0; i < 128; ++i)
-                    acc[i] *= ((i / 2) % 2) ? (i < 64 ? p10 : p11) : (i < 64 ? p00 : p01);
-                tile_boundary(tile_barrier, epi_cycles + (wg == 1 ? stagger : 0));
-                p00 = p01 = p10 = p11 = 1.0f;
-            }
-        }
-        #pragma unroll
-        for (uint32_t i = 0; i < 128; ++i)
-            acc[i] *= ((i / 2) % 2) ? (i < 64 ? p10 : p11) : (i < 64 ? p00 : p01);
-    } else if constexpr (kMode == kRescaleHalves) {
-        // Both halves of block kb issued back to back (8 WGMMAs queued); half 0 is rescaled for
-        // block kb+1 while half 1 of kb still runs, half 1 once both retired.  Nothing is in flight
-        // across the loop's back edge (ptxas would serialize the WGMMAs).
-        float(&a0)[64] = *reinterpret_cast<float(*)[64]>(acc);
-        float(&a1)[64] = *reinterpret_cast<float(*)[64]>(acc + 64);
-        float c00 = 1.0f, c10 = 1.0f, c01 = 1.0f, c11 = 1.0f;  // block kb's scales: row, half
-        for (uint32_t kb = 0; kb < num_kb; ++kb) {
-            const uint32_t s = kb % kStages;
-            if (kb == 0) {
-                mbar_wait(&ss.full[0], 0);
-                c00 = ss.sfa[0][r0] * __ldg(sfb), c10 = ss.sfa[0][r0 + 8] * __ldg(sfb);
-                c01 = ss.sfa[0][r0] * __ldg(sfb + 1), c11 = ss.sfa[0][r0 + 8] * __ldg(sfb + 1);
-            }
-            const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
-            fence_regs(acc);
-            ptx::wgmma_fence();
-            #pragma unroll
-            for (uint32_t k = 0; k < 4; ++k)
-                wgmma_ss_m64n128k32(a0, da + 2 * k, ptx::make_smem_desc_sw128(ss.b[s]) + 2 * k, 1);
-            ptx::wgmma_commit();
-            #pragma unroll
-            for (uint32_t k = 0; k < 4; ++k)
-                wgmma_ss_m64n128k32(a1, da + 2 * k, ptx::make_smem_desc_sw128(ss.b[s] + 128 * 128) + 2 * k, 1);
-            ptx::wgmma_commit();
-            float n00 = 1.0f, n10 = 1.0f, n01 = 1.0f, n11 = 1.0f;
-            if (kb + 1 < num_kb) {
-                const uint32_t sn = (kb + 1) % kStages;
-                mbar_wait(&ss.full[sn], ((kb + 1) / kStages) & 1);
-                const float sa0 = ss.sfa[sn][r0], sa1 = ss.sfa[sn][r0 + 8];
-                const float sb0 = __ldg(sfb + ((kb + 1) % 64) * 2), sb1 = __ldg(sfb + ((kb + 1) % 64) * 2 + 1);
-                n00 = sa0 * sb0, n10 = sa1 * sb0, n01 = sa0 * sb1, n11 = sa1 * sb1;
-            }
-            const float q00 = __fdividef(c00, n00), q10 = __fdividef(c10, n10);
-            const float q01 = __fdividef(c01, n01), q11 = __fdividef(c11, n11);
-            ptx::wgmma_wait<1>();
-            fence_regs(a0);
-            #pragma unroll
-            for (uint32_t i = 0; i < 64; ++i)
-                a0[i] *= ((i / 2) % 2) ? q10 : q00;
-            ptx::wgmma_wait<0>();
-            fence_regs(a1);
-            if (lane == 0)
-                ptx::mbar_arrive(&ss.empty[s]);
-            #pragma unroll
-            for (uint32_t i = 0; i < 64; ++i)
-                a1[i] *= ((i / 2) % 2) ? q11 : q01;
-            c00 = n00, c10 = n10, c01 = n01, c11 = n11;
-        }
-    } else if constexpr (kMode == kN128Db) {
-        float p0[64], p1[64];
-        float ps0 = 0.0f, ps1 = 0.0f;
-        for (uint32_t kb = 0; kb < num_kb; kb += 2) {
-            #pragma unroll
-            for (uint32_t u = 0; u < 2; ++u) {
-                const uint32_t kk = kb + u;
-                const uint32_t s = kk % kStages;
-                const float sb0 = __ldg(sfb + (kk % 64) * 2);
-                mbar_wait(&ss.full[s], (kk / kStages) & 1);
-                const float sa0 = ss.sfa[s][r0], sa1 = ss.sfa[s][r0 + 8];
-                const uint64_t da = ptx::make_smem_desc_sw128(ss.a[s] + 64 * wg * 128);
-                const uint64_t db = ptx::make_smem_desc_sw128(ss.b[s]);
-                float(&cur)[64] = u ? p1 : p0;
-                float(&prev)[64] = u ? p0 : p1;
-                fence_regs(cur);
-                ptx::wgmma_fence();
-                #pragma unroll
-                for (uint32_t k = 0; k < 4; ++k)
-                    wgmma_ss_m64n128k32(cur, da + 2 * k, db + 2 * k, k > 0);
-                ptx::wgmma_commit();
-                ptx::wgmma_wait<1>();
-                fence_regs(prev);
-                if (u == 1) {
-                    promote(acc, prev, ps0, ps1);
-                    if (lane == 0)
-                        ptx::mbar_arrive(&ss.empty[(kk - 1) % kStages]);
-                }
-                ps0 = sa0 * sb0;
-                ps1 = sa1 * sb0;
-            }
-            // Nothing in flight across the back edge (ptxas would serialize the WGMMAs).
-            ptx::wgmma_wait<0>();
-            fence_regs(p1);
-            promote(acc, p1, ps0, ps1);
-            if (lane == 0)
-                ptx::mbar_arrive(&ss.empty[(kb + 1) % kStages]);
-        }
     }
     const unsigned long long t1 = clock64();
     if (wt == 0)
@@ -585,8 +300,8 @@ static void run_mode(int sms, uint32_t num_kb, bool load, bool random, const uin
     auto kernel = mainloop_kernel<kMode>;
     const size_t smem = sizeof(Smem) + 1024;
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    const uint32_t n = kMode == kN128Db ? 128 : 256;
-    constexpr uint32_t kRows = mode_rows(kMode);
+    const uint32_t n = 256;
+    constexpr uint32_t kRows = 128;
     const double flops = 2.0 * kRows * n * 128 * static_cast<double>(num_kb) * sms;
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0));
@@ -673,16 +388,16 @@ int main(int argc, char** argv) {
     uint8_t* src;
     float *sfb, *sink;
     unsigned long long* cycles;
-    CHECK(cudaMalloc(&src, static_cast<size_t>(src_stages) * (kABytes + kBBytesMax)));
+    CHECK(cudaMalloc(&src, static_cast<size_t>(src_stages) * (kABytes + kBBytes)));
     {
-        std::vector<uint8_t> h(static_cast<size_t>(src_stages) * (kABytes + kBBytesMax));
+        std::vector<uint8_t> h(static_cast<size_t>(src_stages) * (kABytes + kBBytes));
         for (size_t i = 0; i < h.size(); ++i)
             h[i] = random ? static_cast<uint8_t>(((i * 2654435761ull) >> 7) & 0x77) : 0x38;
         CHECK(cudaMemcpy(src, h.data(), h.size(), cudaMemcpyHostToDevice));
     }
     uint8_t* b_stream = nullptr;
     if (b_group > 0) {
-        const size_t bytes = static_cast<size_t>((sms + b_group - 1) / b_group) * num_kb * kBBytesMax;
+        const size_t bytes = static_cast<size_t>((sms + b_group - 1) / b_group) * num_kb * kBBytes;
         CHECK(cudaMalloc(&b_stream, bytes));
         CHECK(cudaMemset(b_stream, 0x38, bytes));
     }
@@ -720,22 +435,9 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&cycles, sizeof(unsigned long long)));
     printf("SMs %d, %u K blocks per CTA, %u stages\n", sms, num_kb, kStages);
     for (int m : modes) {
-        if (tma2d && (m == kN128Db || m == kPingPong)) {
-            printf("%-12s skipped: --tma2d loads 128 x 256 tiles\n", kModeNames[m]);
-            continue;
-        }
         switch (m) {
             case kHalves: run_mode<kHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
             case kNoPromo128: run_mode<kNoPromo128>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kNoPromo256: run_mode<kNoPromo256>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kQuarters: run_mode<kQuarters>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kRsHalves: run_mode<kRsHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kRsQuarters: run_mode<kRsQuarters>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kHalvesLookahead: run_mode<kHalvesLookahead>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kN128Db: run_mode<kN128Db>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kRescale256: run_mode<kRescale256>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kRescaleHalves: run_mode<kRescaleHalves>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
-            case kPingPong: run_mode<kPingPong>(sms, num_kb, load, random, b_stream, b_group, tile_kb, epi_cycles, tile_barrier, stagger, src, src_stages, sfb, sink, cycles); break;
         }
     }
     CHECK(cudaDeviceSynchronize());

@@ -49,7 +49,7 @@ def ab(base, knob, rounds, preset, hidden, intermediate, num_experts, num_topk, 
     \b
     Examples:
       git worktree add ../base main && megamoe ab --base ../base --tokens 64,16384 --configs 64:4,128:4
-      megamoe ab --knob MEGAMOE_PROMOTION_HINTS=off,yield,hold --tokens 16384 --configs 128:4
+      megamoe ab --knob MEGAMOE_TUNED_CONFIG=old.json,new.json --tokens 128,16384 --configs auto
       megamoe ab --base ../base --ranks 2 --tokens 1,128 --back-to-back 20 --rounds 3 --json > ab.json
       megamoe ab --base ../main --base ../early --tokens 128,8192 --configs 64:4   (arms main, early, new)
     """

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import MegaMoEError, MegaMoETimeout
 from ..formats import WeightFormat
-from ..kernel_source import ENV_EXPERIMENT, ENV_PROMOTION_HINTS, KernelConfig, experiment_defines, promotion_hints
+from ..kernel_source import ENV_EXPERIMENT, KernelConfig, experiment_defines
 from ..layout import BufferConfig, MoEShape
 from .buffer import SymmBuffer
 from .inputs import INPUT_NAMES, NO_INPUTS, check_inputs, check_tensor, copy_checked, input_addresses
@@ -124,8 +124,7 @@ def _plan_key(l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> tup
     # Plans live on the buffer (they die with it), one per config, environment of the build and weight
     # set; the weights' ids find a plan and the plan confirms they are the objects it was built for
     # (a dropped set's id may come back), which costs far less per call than hashing their shapes.
-    return (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_PROMOTION_HINTS), os.environ.get(ENV_EXPERIMENT),
-            id(l1), id(l2))
+    return (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_EXPERIMENT), id(l1), id(l2))
 
 
 def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig,
@@ -284,11 +283,9 @@ class _FusedRunner:
         self.graph = graph
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.config = {**kernel_cfg.to_dict(), "config_source": source, "graph": graph}
-        # Diagnostic builds and edits are named in every row they produce.
+        # Diagnostic builds are named in every row they produce.
         if experiment_defines():
             self.config["experiment"] = os.environ.get(ENV_EXPERIMENT, "")
-        if promotion_hints()[1]:
-            self.config["promotion_hints"] = os.environ.get(ENV_PROMOTION_HINTS, "")
 
     def __call__(self) -> torch.Tensor:
         if self.buf.closed:  # a graph replay would not reach mega_moe's own check

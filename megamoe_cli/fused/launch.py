@@ -21,7 +21,6 @@ from ..kernel_source import (
     kernel_build_source,
     pack_params,
     param_offset,
-    promotion_hints,
     smem_bytes,
     variant_for,
 )
@@ -50,7 +49,6 @@ class Kernel:
 
     def __init__(self, variant: Variant, device: torch.device):
         from ..jit import build, load_module
-        from ..jit.sass import edited_cubin
 
         self.profile = profiling_enabled()
         (built,) = build([kernel_build_source(variant, self.profile)])
@@ -63,9 +61,7 @@ class Kernel:
                                f"({built.report.serialized_wgmma[0]}); expected none")
         self.variant = variant
         self.smem_bytes = smem_bytes(variant)
-        # Scheduling hints on the promotion FFMAs (jit/sass.py); MEGAMOE_PROMOTION_HINTS=off loads the cubin as built.
-        cubin, _ = edited_cubin(built.cubin_path, *promotion_hints())
-        self.module = load_module(cubin, device.index)
+        self.module = load_module(built.cubin_path, device.index)
         self.function = self.module.get_function(KERNEL_NAME)
         self.function.set_max_dynamic_smem(self.smem_bytes)
 
@@ -90,12 +86,12 @@ class Kernel:
             raise MegaMoEError(f"kernel variant {self.variant.name} was built without counters; set {PROFILE_ENV}=1")
 
 
-_KERNELS: Dict[Tuple[Variant, int, bool, Tuple[str, ...], Tuple[str, float]], Kernel] = {}
+_KERNELS: Dict[Tuple[Variant, int, bool, Tuple[str, ...]], Kernel] = {}
 
 
 def get_kernel(variant: Variant, device: torch.device) -> Kernel:
     # The diagnostic macros are part of the build, so they are part of the key.
-    key = (variant, device.index, profiling_enabled(), experiment_defines(), promotion_hints())
+    key = (variant, device.index, profiling_enabled(), experiment_defines())
     if key not in _KERNELS:
         _KERNELS[key] = Kernel(variant, device)
     return _KERNELS[key]
