@@ -115,6 +115,7 @@ def test_every_allowed_all_slow_file_exists_and_is_all_slow():
     ("@pytest.mark.skipif(True, reason='x')\ndef test_a(): pass\n", ["test_a"]),
     ("@pytest.mark.slow\nclass TestA:\n    def test_a(self): pass\nclass TestB:\n    def test_b(self): pass\n",
      ["test_b"]),
-])
+], ids=["one-slow-decorator", "every-test-slow", "pytestmark", "pytestmark-list", "other-pytestmark",
+        "every-case-slow", "one-case-fast", "other-mark", "slow-class"])
 def test_fast_tests_reads_the_slow_marks(source, expected):
     assert fast_tests(source) == expected
