@@ -117,6 +117,7 @@ def dist_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 @pytest.mark.parametrize("dtype, tol", [("bf16w", FP8_TOL), ("bf16", BF16_TOL)])
+@pytest.mark.slow
 def test_distributed_matches_reference(dist_results, name, dtype, tol):
     shape, tokens, seed, routing = SCENARIOS[name]
     parts = [make_problem(shape, r, 2, t, max(tokens), "cpu", seed, routing) for r, t in enumerate(tokens)]
@@ -131,6 +132,7 @@ def test_distributed_matches_reference(dist_results, name, dtype, tol):
 
 
 @pytest.mark.parametrize("backend", ["torch-bf16w", "torch"])
+@pytest.mark.slow
 def test_mxfp4_problems_with_a_clamp_follow_the_reference(backend):
     """The unfused pipelines take MXFP4 weights converted once to the FP8 values the fused kernel
     computes with, say so in their config, and apply the SwiGLU clamp."""

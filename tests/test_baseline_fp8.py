@@ -61,7 +61,8 @@ def _check_pool(runner):
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
-@pytest.mark.parametrize("routing", ["random", "with_invalid", "one_expert", "imbalanced"])
+@pytest.mark.parametrize("routing", ["random"] + [pytest.param(r, marks=pytest.mark.slow)
+                                                  for r in ("with_invalid", "one_expert", "imbalanced")])
 def test_single_process_matches_reference(gemm, routing):
     p = make_problem(SHAPE, 0, 1, 24, 32, "cpu", seed=13, routing=routing)
     p.topk_idx[5] = -1
@@ -163,6 +164,7 @@ def test_default_block_m_follows_the_rows_per_expert():
 
 
 @pytest.mark.skipif(not triton_interpreter.have_triton(), reason="needs triton (pip install triton)")
+@pytest.mark.slow
 def test_triton_on_cpu_without_the_interpreter_is_refused():
     code = (
         "from megamoe_cli.baseline_fp8 import TorchFP8Backend\n"
@@ -217,6 +219,7 @@ def dist_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 @pytest.mark.parametrize("gemm", DIST_GEMMS)
+@pytest.mark.slow
 def test_distributed_matches_reference(dist_results, name, gemm):
     shape, tokens, seed, routing = SCENARIOS[name]
     parts = [make_problem(shape, r, 2, t, max(tokens), "cpu", seed, routing) for r, t in enumerate(tokens)]

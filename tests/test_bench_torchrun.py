@@ -49,6 +49,7 @@ def no_survivors(run_dir, wait_s=5.0):
     return False
 
 
+@pytest.mark.slow
 def test_clean_cpu_run_writes_every_column(tmp_path):
     points = sweep_points()  # reference@1, torch@1, reference@[0,4], torch@[0,4]
     events = []
@@ -93,6 +94,7 @@ def test_clean_cpu_run_writes_every_column(tmp_path):
     assert all(c["gemm"] == "dequant" and c["dispatch"] == "padded_all_to_all" for c in torch_configs)
 
 
+@pytest.mark.slow
 def test_failed_point_continues_and_a_dying_rank_stops_the_run(tmp_path):
     out = tmp_path / "results.csv"
     old_point = sweep_points()[0]
@@ -135,6 +137,7 @@ def test_failed_point_continues_and_a_dying_rank_stops_the_run(tmp_path):
     assert [r["status"] for r in result.rows] == ["ok", "failed", "ok", "failed"]
 
 
+@pytest.mark.slow
 def test_stuck_point_fails_within_its_timeout(tmp_path):
     points = sweep_points(SWEEP.replace("timeout_s: 60", "timeout_s: 4"))[:2]
     out = tmp_path / "results.jsonl"
@@ -233,6 +236,7 @@ def fake_torchrun(tmp_path, monkeypatch):
     return use
 
 
+@pytest.mark.slow
 def test_ranks_that_never_start_are_stopped_at_the_startup_deadline(tmp_path, fake_torchrun):
     fake_torchrun("hang")
     started = time.monotonic()
@@ -248,6 +252,7 @@ def test_ranks_that_never_start_are_stopped_at_the_startup_deadline(tmp_path, fa
     assert [r["status"] for r in read_results(tmp_path / "r.csv").to_dict("records")] == ["failed"]
 
 
+@pytest.mark.slow
 def test_a_rank_that_vanishes_brings_the_run_down(tmp_path, fake_torchrun):
     fake_torchrun("one_dies")
     started = time.monotonic()
@@ -259,6 +264,7 @@ def test_a_rank_that_vanishes_brings_the_run_down(tmp_path, fake_torchrun):
     assert no_survivors(result.run_dir)
 
 
+@pytest.mark.slow
 def test_overall_timeout(tmp_path, fake_torchrun):
     fake_torchrun("hang")
     result = run_bench(sweep_points()[:1], 2, None, device="cpu", timeout_s=1.5, grace_s=1, run_root=tmp_path)
@@ -521,6 +527,7 @@ def test_bench_torchrun_turns_elastic_failures_into_records(tmp_path, monkeypatc
     assert by_rank[0]["time_ns"] % 1_000_000_000 == 0  # the agent's whole-second stamp
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_leaves_its_elastic_error_record(tmp_path):
     """The worker's entry point runs under @record: an exception that ends it is written to the
     file torchrun names in TORCHELASTIC_ERROR_FILE, with the rank's own account as the message."""
@@ -539,6 +546,7 @@ def test_a_worker_that_fails_leaves_its_elastic_error_record(tmp_path):
     assert (tmp_path / "fatal.rank1.txt").read_text().startswith("rank 1: FileNotFoundError: ")
 
 
+@pytest.mark.slow
 def test_a_clean_run_leaves_no_folder_behind(tmp_path):
     """Neither the run folder nor a torchelastic_* folder of torchrun's own in the temporary folder."""
     scratch = tmp_path / "tmp"

@@ -18,6 +18,7 @@ BUILD_MODULE = importlib.import_module("megamoe_cli.jit.build")  # the package's
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_it_builds_each_point_and_config_once_and_a_second_run_finds_them_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
     args = ["build", "--preset", "small", "--weights", "fp4", "--tokens", "16,64", "--configs", "64:4,auto", "--json"]
@@ -41,6 +42,7 @@ def test_it_builds_each_point_and_config_once_and_a_second_run_finds_them_cached
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_profiling_adds_the_profiling_builds(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
     result = run_cli("build", "--preset", "small", "--tokens", "16", "--configs", "64:4", "--profiling", "--json")

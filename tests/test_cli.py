@@ -532,6 +532,7 @@ def read_only():
 # ---------------------------------------------------------------------------- bench
 
 
+@pytest.mark.slow
 def test_bench_runs_on_cpu_ranks_and_records_rows(tmp_path):
     out = tmp_path / "results" / "bench.csv"
     result = run("bench", "--device", "cpu", "--preset", "small", "--tokens", "8", "--backend", "torch",
@@ -551,6 +552,7 @@ def test_bench_runs_on_cpu_ranks_and_records_rows(tmp_path):
     assert list(saved["run_id"]) == [row["run_id"]]
 
 
+@pytest.mark.slow
 def test_bench_calls_per_sample_on_cpu_ranks_records_it_in_every_row(tmp_path):
     out = tmp_path / "bench.jsonl"
     result = run("bench", "--device", "cpu", "--preset", "small", "--tokens", "8", "--backend", "torch",
@@ -996,6 +998,7 @@ def test_bench_with_failed_points_exits_3_and_says_where_the_run_files_are(monke
     assert "cli: 1 of 2 point(s) ok" in result.stdout  # the table's title
 
 
+@pytest.mark.slow
 def test_bench_exit_status_on_cpu_ranks_0_when_all_points_pass_3_when_one_fails(tmp_path, monkeypatch):
     from cli_checks import FAIL_ENV, fault_env
 

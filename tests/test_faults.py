@@ -332,6 +332,7 @@ def wait_gone(pids, wait_s=10.0):
     return alive(pids)
 
 
+@pytest.mark.slow
 def test_cli_bench_point_that_hangs_is_stopped_by_its_watchdog(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the run folder lands here
     for name, value in fault_env({HANG_ENV: 0}).items():
@@ -358,6 +359,7 @@ def test_cli_bench_point_that_hangs_is_stopped_by_its_watchdog(tmp_path, monkeyp
     assert "did not finish within 4 s" in frame["error"][0]
 
 
+@pytest.mark.slow
 def test_after_a_rank_crashes_mid_sweep_the_next_run_appends_to_the_same_file(tmp_path):
     points = load_sweep_text(SWEEP).points
     out = tmp_path / "results.csv"
@@ -380,6 +382,7 @@ def test_after_a_rank_crashes_mid_sweep_the_next_run_appends_to_the_same_file(tm
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+@pytest.mark.slow
 def test_a_stop_signal_ends_every_process_of_the_run_and_keeps_its_rows(tmp_path, sig):
     """What Ctrl-C, kill, timeout, a job scheduler and a closed terminal send, sent to the CLI's own
     pid mid-sweep: torchrun starts every rank in a session of its own, so none of them gets the
@@ -497,6 +500,7 @@ def start_builder(cache, nvcc, lock_timeout_s):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_a_process_waiting_on_a_killed_build_takes_it_over(tmp_path):
     cache = tmp_path / "cache"
     starts = tmp_path / "starts"
@@ -611,6 +615,7 @@ def store_generation(path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_a_tuned_config_write_killed_midway_leaves_the_old_or_the_new_store(tmp_path, sig):
     path = tmp_path / "tuned.json"
     generation = 1

@@ -486,6 +486,7 @@ def test_transform_checks_formats_before_any_launch():
 
 # --- reference and variants ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_reference_dequantizes_mxfp4_exactly_and_clamps():
     p = make_problem(SMALL_FP4, 0, 1, 12, 12, seed=3)
     y = moe_reference(p.x, p.x_sf, p.topk_idx, p.topk_weights, p.w1, p.w1_sf, p.w2, p.w2_sf)

@@ -258,6 +258,7 @@ def test_forced_spill_is_reported(cache):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_three_processes_racing_build_one_cubin(cache, tmp_path):
     nvcc, starts = slow_nvcc(tmp_path, 1)
     go = tmp_path / "go"

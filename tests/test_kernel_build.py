@@ -58,6 +58,7 @@ def test_default_choices_cover_every_block_m_and_fit_shared_memory():
 
 
 @pytest.mark.timeout(1200)  # ~40 variants through nvcc on a 2-core machine
+@pytest.mark.slow
 def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))  # ~40 cubins: never into the user's own cache
     variants = chosen_variants()
@@ -80,6 +81,7 @@ def test_every_chosen_variant_compiles_without_spills(tmp_path, monkeypatch):
         assert kernel.cubin_path.stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_cluster_variants_compile_without_spills_at_every_rank_count(tmp_path, monkeypatch):
     """Clusters at block_m 128 for every preset and rank count: their producer and dispatch warps
     (56 registers) carry the most state, and a 4-byte spill there made the runtime refuse the
@@ -103,6 +105,7 @@ def test_cluster_variants_compile_without_spills_at_every_rank_count(tmp_path, m
         assert not kernel.report.serialized_wgmma, f"{v.name}: {kernel.report.serialized_wgmma}"
 
 
+@pytest.mark.slow
 def test_the_profiling_build_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
     v = Variant(PRESETS["small"], 2, 64, 64, 4, 1)
@@ -147,6 +150,7 @@ def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch)
     assert set(re.findall(r"MEGAMOE_EXP_([A-Z0-9_]+)", text)) == set(EXPERIMENTS)
 
 
+@pytest.mark.slow
 def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch):
     """The fault-injection builds the GPU tier's publisher probes run (scripts/fault_probe.py) are
     kernels like the others: no spills (the runtime would refuse them) and no serialized WGMMAs."""
@@ -172,6 +176,7 @@ def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("name, min_modes", [("mainloop", 2), ("fp4_expand", 10)])
+@pytest.mark.slow
 def test_the_microbenchmarks_compile_without_spills_or_serialized_wgmma(tmp_path, name, min_modes):
     import subprocess
 
@@ -271,6 +276,7 @@ def test_the_signal_checks_catch_a_missing_fence_and_a_release_write():
     assert release_writes("\tmembar.sys;\n\t// begin inline asm\n\tred.or.release.gpu.global.b32 [%rd1], %r2;\n") != []
 
 
+@pytest.mark.slow
 def test_cross_rank_signals_fence_once_then_write_relaxed(tmp_path):
     """Every system- and GPU-scope signal is a fence followed by relaxed writes (PTX release patterns).
 

@@ -60,6 +60,7 @@ STANDALONE_VARIANTS = {
 
 @needs_nvcc
 @pytest.mark.parametrize("variant_name", sorted(STANDALONE_VARIANTS))
+@pytest.mark.slow
 def test_every_header_compiles_on_its_own(tmp_path, variant_name):
     from megamoe_cli.jit.build import find_nvcc
 

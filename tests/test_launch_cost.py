@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "launch_cost.py"
@@ -24,6 +25,7 @@ def test_measure_times_every_batch_and_the_drained_loop_is_never_shorter():
     assert row["host_us_min"] <= row["host_us"] and row["loop_us_min"] <= row["loop_us"]
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_says_so_in_one_line():
     if torch.cuda.is_available():
         import pytest

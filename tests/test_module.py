@@ -163,6 +163,7 @@ def _rank_forward(rank, world_size, state):
     return {"experts": list(moe.experts), "y": moe(x, topk_idx, topk_weights)}
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_each_load_their_experts_and_match_one_process(tmp_path):
     state = checkpoint(seed=4)
     results = run_gloo(tmp_path, 2, _rank_forward, state)

@@ -188,6 +188,7 @@ def test_the_stacked_layout_converts_to_the_v4_naming():
         convert_stacked_mxfp4(src, layer=LAYER)
 
 
+@pytest.mark.slow
 def test_bf16_weights_quantize_to_either_format():
     floats = float_experts(seed=4)
     w1 = torch.stack([torch.cat([floats[(e, "w1")], floats[(e, "w3")]]) for e in range(NUM_EXPERTS)])
@@ -227,6 +228,7 @@ def _rank_forward(rank, world_size, state):
     return {"experts": list(moe.experts), "y": moe(x, topk_idx, topk_weights, num_tokens_bound=5)}
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_load_their_mxfp4_experts_and_match_one_process(tmp_path):
     state = v4_checkpoint(seed=6)
     results = run_gloo(tmp_path, 2, _rank_forward, state)

@@ -72,6 +72,7 @@ def test_the_fake_op_gives_the_output_shape_and_dtype_without_a_layer():
 
 
 @pytest.mark.parametrize("fp8_input", [False, True])
+@pytest.mark.slow
 def test_opcheck_passes(fp8_input):
     moe = layer()
     x, topk_idx, topk_weights = tokens(5)
@@ -87,6 +88,7 @@ def test_opcheck_passes(fp8_input):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
+@pytest.mark.slow
 def test_a_compiled_model_keeps_the_op_in_one_graph_and_equals_eager():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -117,6 +119,7 @@ def test_the_eager_forward_and_the_op_agree_and_check_the_bound():
             moe(x, topk_idx, topk_weights, bound)
 
 
+@pytest.mark.slow
 def test_a_dropped_layer_is_named_by_its_handle():
     moe = layer()
     handle = moe.handle
@@ -140,6 +143,7 @@ def run_example(*args, env_extra=None):
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_example_runs_on_the_cpu():
     result = run_example("examples/moe_block.py", "--tokens", "9")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -148,6 +152,7 @@ def test_the_example_runs_on_the_cpu():
     assert lines[-1] == "rank 0: ok"
 
 
+@pytest.mark.slow
 def test_the_example_fails_when_the_layer_is_wrong(monkeypatch, capsys):
     sys.path.insert(0, str(ROOT / "examples"))
     try:
@@ -160,6 +165,7 @@ def test_the_example_fails_when_the_layer_is_wrong(monkeypatch, capsys):
     assert "FAILED: eager, torch.compile(fullgraph=True)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_example_runs_expert_parallel_on_two_cpu_ranks(tmp_path):
     # torchrun keeps its per-run log folder under TMPDIR: the test's own folder holds it.
     result = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/moe_block.py",

@@ -163,6 +163,7 @@ def bench_run(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGUSR1], ids=lambda s: s.name)
+@pytest.mark.slow
 def test_a_launcher_killed_outright_takes_its_run_along_and_the_next_command_saves_its_rows(bench_run, sig):
     """SIGKILL (the OOM killer, `timeout -s KILL`) and a signal the command does not handle end
     the `megamoe` process with no chance to clean up: torchrun and the ranks must end too, and
@@ -193,6 +194,7 @@ def test_a_launcher_killed_outright_takes_its_run_along_and_the_next_command_sav
     assert len(read_results(out)) == 2
 
 
+@pytest.mark.slow
 def test_ranks_die_with_torchrun_killed_outright(bench_run):
     """The ranks' own parent-death signal: torchrun killed by SIGKILL cannot stop them, and the
     launcher, stopped here, does not either; on its return it reports the run as failed."""

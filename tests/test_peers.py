@@ -287,9 +287,13 @@ class _TorchDeepGEMM:
                 d[e, :m] = self._rows(x[e, :m], x_sf[e, :m], w[e], w_sf[e])
 
 
-@pytest.mark.parametrize("layout,tokens,routing", [("masked", 5, "random"), ("masked", 40, "with_invalid"),
-                                                    ("contiguous", 40, "random"), ("contiguous", 60, "one_expert"),
-                                                    ("contiguous", 50, "with_invalid")])
+@pytest.mark.parametrize("layout,tokens,routing", [
+    ("masked", 5, "random"),
+    pytest.param("contiguous", 40, "random", marks=pytest.mark.slow),
+    pytest.param("masked", 40, "with_invalid", marks=pytest.mark.slow),
+    pytest.param("contiguous", 60, "one_expert", marks=pytest.mark.slow),
+    pytest.param("contiguous", 50, "with_invalid", marks=pytest.mark.slow),
+])
 @pytest.mark.parametrize("graph_pool", [False, True])
 def test_deepgemm_glue_matches_the_reference(monkeypatch, layout, tokens, routing, graph_pool):
     """The glue around DeepGEMM's GEMMs, with stand-in GEMMs: eager (the filled rows only) and as a

@@ -238,6 +238,7 @@ def stand_in(tmp_path, monkeypatch):
     return {"backend": "stand_in:Backend", "probe": "stand_in:Probe"}
 
 
+@pytest.mark.slow
 def test_a_run_on_two_cpu_ranks_profiles_every_config_and_stops_at_a_fault(tmp_path, stand_in):
     options = lib.ProfileOptions.make([{}, {"block_m": 128, "num_stages": 3}, {"block_m": 64, "num_stages": 4}],
                                       cycles=True, cycle_calls=2, trace_dir=str(tmp_path / "traces"),
@@ -275,6 +276,7 @@ def test_a_run_on_two_cpu_ranks_profiles_every_config_and_stops_at_a_fault(tmp_p
     assert not list(tmp_path.glob("megamoe-profile-*"))  # the records folder goes with the run
 
 
+@pytest.mark.slow
 def test_the_kernel_time_is_on_given_inputs_when_asked(tmp_path, stand_in):
     plain, given = (lib.run_profile(small_points((8,), iters=5), lib.ProfileOptions.make([{}], given=g, **stand_in),
                                     world_size=2, device="cpu", run_root=tmp_path) for g in (False, True))
@@ -447,6 +449,7 @@ PROFILE_ON_CPU = textwrap.dedent(
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.slow
 def test_a_stop_signal_ends_every_rank_of_a_profile_run(tmp_path, sig):
     from megamoe_cli.bench import launcher
     from megamoe_cli.bench.launcher import worker_pids

@@ -22,6 +22,7 @@ METADATA_KEYS = {"record", "sweep", "command", "run_id", "started", "finished", 
                  "message", "points_measured", "points_failed", "env", "files"}
 
 
+@pytest.mark.slow
 def test_a_record_of_the_cpu_smoke_sweep_is_a_folder_with_its_rows_metadata_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     folder = tmp_path / "results" / "cpu"
@@ -161,6 +162,7 @@ def test_help_says_what_it_writes_and_its_exit_statuses():
     assert "record" in run_cli("--help").stdout
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_rank_and_the_metadata_says_the_record_stopped(tmp_path):
     folder = tmp_path / "rec"
     env = launcher.run_environment({**fault_env({HANG_ENV: 1}), "TMPDIR": str(tmp_path)})

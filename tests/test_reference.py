@@ -132,6 +132,7 @@ def test_reference_backend_single_process():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_problem_deterministic_and_world_size_independent():
     full = make_expert_weights(SHAPE, 0, 8, "cpu", seed=4)
     for world_size in (1, 2, 4):
@@ -261,6 +262,7 @@ def dist_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size, name", [(2, n) for n in SCENARIOS_2] + [(4, n) for n in SCENARIOS_4])
+@pytest.mark.slow
 def test_distributed_equals_single_process(dist_results, world_size, name):
     shape, tokens, seed, routing = {**SCENARIOS_2, **SCENARIOS_4}[name]
     args = _global_args(shape, tokens, seed, routing)
@@ -303,6 +305,7 @@ def _layer_error_worker(rank, world_size):
     return layer_relative_error(y, ref, torch.distributed.group.WORLD)
 
 
+@pytest.mark.slow
 def test_layer_relative_error_pools_the_ranks(tmp_path):
     results = run_gloo(tmp_path, 3, _layer_error_worker)
     # squared errors 1/64, 4/64, 9/64 over squared norms 1, 1, 1

@@ -283,7 +283,7 @@ def test_the_independent_e4m3_rounding_agrees_with_torch():
     assert torch.equal(e4m3(probe.double()), probe.to(torch.float8_e4m3fn).to(torch.float64))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [c if c == "fp8" else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)])
 def test_reference_matches_an_independent_formulation(case):
     check_reference_matches_independent(case)
 
@@ -346,20 +346,23 @@ ORIGINAL_COMBINE_SLOTS = reference.combine_slots
 @pytest.mark.parametrize(
     "module, name, planted, checks",
     [
-        (reference, "swiglu", swiglu_up_without_lower_bound,
-         [check_swiglu_vectors, lambda: check_reference_matches_independent("fp8-clamp"),
-          lambda: check_reference_matches_independent("fp4-clamp")]),
-        (reference, "swiglu", swiglu_gate_clamped_both_ways,
-         [check_swiglu_vectors, lambda: check_reference_matches_independent("fp8-clamp")]),
+        pytest.param(reference, "swiglu", swiglu_up_without_lower_bound,
+                     [check_swiglu_vectors, lambda: check_reference_matches_independent("fp8-clamp"),
+                      lambda: check_reference_matches_independent("fp4-clamp")], marks=pytest.mark.slow),
+        pytest.param(reference, "swiglu", swiglu_gate_clamped_both_ways,
+                     [check_swiglu_vectors, lambda: check_reference_matches_independent("fp8-clamp")],
+                     marks=pytest.mark.slow),
         (reference, "combine_slots", combine_in_reverse, [check_reduce_order]),
         (quant, "quantize_per_token", requant_without_floor, [check_requant_vectors]),
         (quant, "quantize_per_token", requant_rounding_down, [check_requant_vectors, check_requant_matches_independent]),
-        (reference, "quantize_per_token", requant_rounding_down, [lambda: check_reference_matches_independent("fp8")]),
+        pytest.param(reference, "quantize_per_token", requant_rounding_down,
+                     [lambda: check_reference_matches_independent("fp8")], marks=pytest.mark.slow),
         (quant, "dequantize_mxfp4", dequantize_mxfp4_bias_126, [check_mxfp4_vectors]),
-        (reference, "dequantize_mxfp4", dequantize_mxfp4_bias_126, [lambda: check_reference_matches_independent("fp4")]),
+        pytest.param(reference, "dequantize_mxfp4", dequantize_mxfp4_bias_126,
+                     [lambda: check_reference_matches_independent("fp4")], marks=pytest.mark.slow),
         (quant, "dequantize_mxfp4", dequantize_mxfp4_nibbles_swapped, [check_mxfp4_vectors]),
-        (reference, "dequantize_mxfp4", dequantize_mxfp4_nibbles_swapped,
-         [lambda: check_reference_matches_independent("fp4")]),
+        pytest.param(reference, "dequantize_mxfp4", dequantize_mxfp4_nibbles_swapped,
+                     [lambda: check_reference_matches_independent("fp4")], marks=pytest.mark.slow),
     ],
     ids=["swiglu-up-lower-bound-lost", "swiglu-gate-lower-bound", "reduce-reverse-order", "requant-no-floor",
          "requant-round-down", "reference-requant-round-down", "mxfp4-scale-bias",

@@ -138,6 +138,7 @@ def test_the_old_pooled_rule_let_bf16_gemms_pass(clean):
     assert _old_rule_passes(emulated_layer(clean, "bf16_gemms"))
 
 
+@pytest.mark.slow
 def test_the_tolerance_model_passes_the_rule_on_fresh_cases():
     assert model.main(["--check", "--ranks", "8", "--tokens", "1", "4", "--seeds", "6", "--bits", "12"]) == 0
 

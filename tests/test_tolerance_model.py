@@ -3,6 +3,7 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from megamoe_cli.layout import MoEShape
@@ -41,6 +42,7 @@ def test_exact_sums_reproduce_the_reference_and_truncated_ones_do_not():
     assert all(d / r > 1e-8 for d, r in rough)
 
 
+@pytest.mark.slow
 def test_the_command_prints_one_row_per_setting(capsys):
     assert model.main(["--shape", "gpu-test-small", "--ranks", "1", "2", "--tokens", "1", "--seeds", "2", "--bits", "12"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["12"]]

@@ -263,6 +263,7 @@ def test_prebuilt_sources_are_the_ones_the_fused_runner_loads(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.slow
 def test_real_parallel_build_of_planned_variants(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path / "jit"))
     variants = [Variant(SMALL, 2, 16, 64, 4), Variant(SMALL, 2, 16, 64, 3)]
@@ -661,6 +662,7 @@ STAND_IN_BACKEND = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_tune_under_torchrun_on_two_cpu_ranks(store, tmp_path, monkeypatch):
     (tmp_path / "stand_in_backend.py").write_text(STAND_IN_BACKEND)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))

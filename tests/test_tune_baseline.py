@@ -197,6 +197,7 @@ def _runner(monkeypatch, config, num_max_tokens=32, shape=SHAPE, gpu="NVIDIA H20
 
 
 @needs_triton
+@pytest.mark.slow
 def test_the_baseline_runs_a_stored_config_and_says_where_it_came_from(store, monkeypatch):
     stored = {"block_m": 32, "num_warps": 8, "num_stages": [2, 5], "l2_block_n": 64, "group_m": 1}
     tuned.merge_and_save([entry("H200", 32, stored, shape=SHAPE)])
@@ -230,6 +231,7 @@ def test_the_baseline_runs_a_stored_config_and_says_where_it_came_from(store, mo
 
 
 @needs_triton
+@pytest.mark.slow
 def test_every_l2_tile_width_and_launch_grouping_matches_the_reference(monkeypatch, store):
     p = make_problem(SHAPE, 0, 1, 24, 32, "cpu", seed=21, routing="imbalanced")
     ref = moe_reference(*_args(p))
@@ -241,6 +243,7 @@ def test_every_l2_tile_width_and_launch_grouping_matches_the_reference(monkeypat
 
 
 @needs_triton
+@pytest.mark.slow
 def test_the_user_store_wins_over_the_shipped_one_and_mxfp4_reads_the_fp8_key(store, monkeypatch):
     shipped = tuned.SHIPPED_BASELINE_PATH
     tuned.merge_and_save([entry("H200", 32, {"block_m": 64, "num_warps": 4, "num_stages": 4}, shape=SHAPE)], shipped)
@@ -329,6 +332,7 @@ def test_bad_baseline_tune_invocations_are_one_line(store, args, fragments):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_cli_tunes_the_real_baseline_on_two_gloo_cpu_ranks_and_the_runtime_reads_the_winner(store, tmp_path,
                                                                                             monkeypatch):
     """The whole path: flags -> plan -> torchrun ranks timing the real torch backend's candidates
@@ -398,6 +402,7 @@ def test_each_distinct_config_is_compiled_once_ahead_and_failures_are_reported()
     assert said[-1].endswith("1 config(s) failed (their candidates are excluded by the ranks, with the reason)")
 
 
+@pytest.mark.slow
 def test_compiling_ahead_runs_in_spawned_processes_and_never_raises(monkeypatch):
     """The real worker function in real processes: without a GPU every job fails, reported."""
     plans = small_plans(block_m=[16])
