@@ -691,6 +691,8 @@ def read_results(path: Union[str, Path]):
     frame = _typed(frame, damage)
     for col, value in ADDED_COLUMNS.items():
         frame[col] = frame[col].fillna(value)
+        if isinstance(value, str):  # a text column reads a missing cell as "", not as missing
+            frame[col] = frame[col].replace("", value)
     frame = frame.drop(columns=["_line"], errors="ignore").reset_index(drop=True)
     warning = damage.warning()
     frame.attrs["warnings"] = [warning] if warning else []
