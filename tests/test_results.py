@@ -138,19 +138,24 @@ def test_a_file_written_before_calls_per_sample_reads_as_one_call_and_takes_new_
     assert list(frame["time_us_median"])[::2] == [10.0, 3.0]
 
 
+def write_old_row(path, columns, row):
+    """``row`` in a results file written before the columns ``columns`` leaves out existed."""
+    if path.suffix == ".csv":
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            writer.writerow(columns)
+            writer.writerow([results._csv_cell(row[c]) for c in columns])
+    else:
+        path.write_text(results.row_to_json(row) + "\n")
+    return path
+
+
 @pytest.mark.parametrize("ext", [".csv", ".jsonl"])
 def test_a_file_written_before_the_weights_column_reads_as_fp8(tmp_path, ext):
     """Rows from before MXFP4 existed were FP8: they read so, not as an empty format."""
     old_columns = [c for c in COLUMNS if c not in ("weights", "activation_clamp")]
     old = {c: ok_row(points()[0], 10.0)[c] for c in old_columns}
-    path = tmp_path / f"old{ext}"
-    if ext == ".csv":
-        with open(path, "w", newline="") as f:
-            writer = csv.writer(f, lineterminator="\n")
-            writer.writerow(old_columns)
-            writer.writerow([results._csv_cell(old[c]) for c in old_columns])
-    else:
-        path.write_text(results.row_to_json(old) + "\n")
+    path = write_old_row(tmp_path / f"old{ext}", old_columns, old)
     frame = read_results(path)
     assert list(frame["weights"]) == ["fp8"]
     assert list(frame["activation_clamp"]) == [0.0]
@@ -162,14 +167,7 @@ def test_a_file_written_before_rel_err_layer_reads_it_as_unknown_and_the_summary
 
     old_columns = [c for c in COLUMNS if c != "rel_err_layer"]
     old = {c: ok_row(points()[0], 10.0)[c] for c in old_columns}
-    path = tmp_path / f"old{ext}"
-    if ext == ".csv":
-        with open(path, "w", newline="") as f:
-            writer = csv.writer(f, lineterminator="\n")
-            writer.writerow(old_columns)
-            writer.writerow([results._csv_cell(old[c]) for c in old_columns])
-    else:
-        path.write_text(results.row_to_json(old) + "\n")
+    path = write_old_row(tmp_path / f"old{ext}", old_columns, old)
     append_rows(path, [ok_row(points()[0], 5.0)])
     frame = read_results(path)
     assert frame["rel_err"].tolist() == [0.01, 0.01]

@@ -328,20 +328,29 @@ def buckets(check: Checker, doc: Mapping[str, Any]) -> Tuple[List[int], List[str
     return list(buckets), notes
 
 
-def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None) -> TuneSweep:
-    """Check a parsed tune sweep and expand it into one fused point per shape and bucket."""
+def expand_tune_doc(data: Any, source: str, lines: Optional[Dict[Tuple, int]], backend: str, wrong_backend: str,
+                    grid_of: Callable[[Checker, Mapping[str, Any]], Any]):
+    """A parsed tune sweep checked and expanded for ``backend``: its bench sweep (one point per
+    shape and bucket), its candidate grid (``grid_of``) and its notes.  ``wrong_backend`` is the
+    message for a sweep that names another backend."""
     check = Checker(source, lines or {})
     doc = check.mapping(data, (), TUNE_SWEEP_KEYS)
-    if "backends" in doc and doc["backends"] not in (DEFAULT_BACKEND, [DEFAULT_BACKEND]):
-        raise check.fail(("backends",), f"tuning measures the fused kernel: give backends: [{DEFAULT_BACKEND}] "
-                                        f"or leave it out (a baseline's sweep: tune with --backend naming it), "
-                                        f"got {doc['backends']!r}")
+    if "backends" in doc and doc["backends"] not in (backend, [backend]):
+        raise check.fail(("backends",), f"{wrong_backend}, got {doc['backends']!r}")
     check_tune_doc(check, doc)
-    grid = _grid(check, doc)
+    grid = grid_of(check, doc)
     tokens, notes = buckets(check, doc)
     bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}
-    bench_doc.update(num_tokens=tokens, backends=[DEFAULT_BACKEND], check=True)
-    sweep = validate_sweep(bench_doc, source, lines)
+    bench_doc.update(num_tokens=tokens, backends=[backend], check=True)
+    return validate_sweep(bench_doc, source, lines), grid, notes
+
+
+def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]] = None) -> TuneSweep:
+    """Check a parsed tune sweep and expand it into one fused point per shape and bucket."""
+    sweep, grid, notes = expand_tune_doc(
+        data, source, lines, DEFAULT_BACKEND,
+        f"tuning measures the fused kernel: give backends: [{DEFAULT_BACKEND}] or leave it out (a baseline's "
+        "sweep: tune with --backend naming it)", _grid)
     return TuneSweep(sweep.name, sweep.description, source, sweep.points, grid, notes)
 
 

@@ -60,8 +60,8 @@ from .. import tuned
 from ..errors import MegaMoEError
 from ..gpus import gpu_spec
 from ..layout import MoEShape
-from .sweep import Checker, Point, parse_yaml, read_sweep_file, validate_sweep
-from .tune import EXCLUDED, TUNE_SWEEP_KEYS, CandidateResult, PointPlan, TuneSweep, buckets, check_tune_doc
+from .sweep import Checker, Point, parse_yaml, read_sweep_file
+from .tune import EXCLUDED, TUNE_SWEEP_KEYS, CandidateResult, PointPlan, TuneSweep, expand_tune_doc
 
 BACKENDS = ("torch", "torch-graph")
 GRID_KEYS = ("num_warps", "num_stages", "l2_block_n", "group_m")
@@ -333,18 +333,10 @@ def validate_tune_sweep(data: Any, source: str, lines: Optional[Dict[Tuple, int]
     the sweep are left out, with a note)."""
     if backend not in BACKENDS:
         raise MegaMoEError(f"the baseline tune measures backend {' or '.join(BACKENDS)}, got {backend!r}")
-    check = Checker(source, lines or {})
-    doc = check.mapping(data, (), TUNE_SWEEP_KEYS)
-    if "backends" in doc and doc["backends"] not in (backend, [backend]):
-        raise check.fail(("backends",), f"this tune measures backend {backend}: give backends: [{backend}] or "
-                                        f"leave it out (or tune with --backend naming the sweep's), got "
-                                        f"{doc['backends']!r}")
-    check_tune_doc(check, doc)
-    grid = _grid(check, doc)
-    tokens, notes = buckets(check, doc)
-    bench_doc = {key: value for key, value in doc.items() if key not in ("candidates", "block_m")}
-    bench_doc.update(num_tokens=tokens, backends=[backend], check=True)
-    sweep = validate_sweep(bench_doc, source, lines)
+    sweep, grid, notes = expand_tune_doc(
+        data, source, lines, backend,
+        f"this tune measures backend {backend}: give backends: [{backend}] or leave it out (or tune with "
+        "--backend naming the sweep's)", _grid)
     points, twins = [], {}
     for point in sweep.points:
         fp8 = (replace(point.shape, weights="fp8"), point.num_tokens)
