@@ -10,6 +10,7 @@ import importlib
 from typing import Any, Dict, Tuple
 
 from .errors import MegaMoEError
+from .peers import PEER_OF
 
 # name -> (module, class, constructor keyword arguments)
 _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
@@ -38,10 +39,9 @@ HOPPER_ONLY = frozenset({"fused", "fused-graph", "deepgemm", "deepgemm-graph", "
 # them before any rank starts.
 CUDA_ONLY = HOPPER_ONLY | {"torch-graph", "sglang", "sglang-graph"}
 
-# Peers: backends that run another project's package (megamoe_cli.peers), refused up front where
-# it is not installed.
-PEER_BACKENDS: Tuple[str, ...] = ("deepgemm", "deepgemm-graph", "deepgemm-fused", "deepgemm-fused-graph",
-                                  "sglang", "sglang-graph")
+# Peers: backends that run another project's package (megamoe_cli.peers owns the list), refused up
+# front where it is not installed.
+PEER_BACKENDS: Tuple[str, ...] = tuple(PEER_OF)
 
 # The layers a user could run instead of megamoe's fused one, our unfused pipelines and the peers:
 # a speed-up is taken against the fastest of them measured at the same point (bench.compare).
