@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe_cli.module import MegaMoE
-from megamoe_cli.quant import quantize_per_token
+from megamoe_cli.reference.quant import quantize_per_token
 
 
 class Router(torch.nn.Module):
@@ -87,8 +87,8 @@ def build(device: torch.device, group=None, *, hidden=512, intermediate=256, num
 
 def expected(block: MoEBlock, all_weights, x: torch.Tensor) -> torch.Tensor:
     """The same block written with plain PyTorch and the reference for the routed experts."""
-    from megamoe_cli.quant import quantize_mxfp4, quantize_per_block
-    from megamoe_cli.reference import moe_reference
+    from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block
+    from megamoe_cli.reference.layer import moe_reference
 
     s = block.experts.shape
     quantize = quantize_mxfp4 if s.weights == "fp4" else quantize_per_block
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     report = []
 
     def check(what: str, y: torch.Tensor) -> None:
-        from megamoe_cli.tolerance import error_bound
+        from megamoe_cli.reference.tolerance import error_bound
 
         ref = expected(block, all_weights, x)
         err = float((y.double() - ref.double()).norm() / ref.double().norm())

@@ -10,24 +10,24 @@ import importlib
 from typing import Any, Dict, Tuple
 
 from .errors import MegaMoEError
-from .peers import PEER_OF
+from .baselines.peers import PEER_OF
 
 # name -> (module, class, constructor keyword arguments)
 _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
-    "reference": ("megamoe_cli.reference", "ReferenceBackend", {}),
-    "torch": ("megamoe_cli.baseline_fp8", "TorchFP8Backend", {}),
-    "torch-graph": ("megamoe_cli.baseline_fp8", "TorchFP8Backend", {"graph": True}),
-    "torch-bf16w": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16w"}),
-    "torch-bf16": ("megamoe_cli.baseline", "TorchBackend", {"dtype": "bf16"}),
+    "reference": ("megamoe_cli.reference.layer", "ReferenceBackend", {}),
+    "torch": ("megamoe_cli.baselines.torch_fp8", "TorchFP8Backend", {}),
+    "torch-graph": ("megamoe_cli.baselines.torch_fp8", "TorchFP8Backend", {"graph": True}),
+    "torch-bf16w": ("megamoe_cli.baselines.torch_bf16", "TorchBackend", {"dtype": "bf16w"}),
+    "torch-bf16": ("megamoe_cli.baselines.torch_bf16", "TorchBackend", {"dtype": "bf16"}),
     "fused": ("megamoe_cli.fused", "FusedBackend", {}),
     "fused-graph": ("megamoe_cli.fused", "FusedBackend", {"graph": True}),
-    # Peers (megamoe_cli.peers): what users run instead, each an optional extra.
-    "deepgemm": ("megamoe_cli.peers.deepgemm", "DeepGEMMBackend", {}),
-    "deepgemm-graph": ("megamoe_cli.peers.deepgemm", "DeepGEMMBackend", {"graph": True}),
-    "deepgemm-fused": ("megamoe_cli.peers.deepgemm_fused", "DeepGEMMFusedBackend", {}),
-    "deepgemm-fused-graph": ("megamoe_cli.peers.deepgemm_fused", "DeepGEMMFusedBackend", {"graph": True}),
-    "sglang": ("megamoe_cli.peers.sglang", "SGLangBackend", {}),
-    "sglang-graph": ("megamoe_cli.peers.sglang", "SGLangBackend", {"graph": True}),
+    # Peers (megamoe_cli.baselines.peers): what users run instead, each an optional extra.
+    "deepgemm": ("megamoe_cli.baselines.peers.deepgemm", "DeepGEMMBackend", {}),
+    "deepgemm-graph": ("megamoe_cli.baselines.peers.deepgemm", "DeepGEMMBackend", {"graph": True}),
+    "deepgemm-fused": ("megamoe_cli.baselines.peers.deepgemm_fused", "DeepGEMMFusedBackend", {}),
+    "deepgemm-fused-graph": ("megamoe_cli.baselines.peers.deepgemm_fused", "DeepGEMMFusedBackend", {"graph": True}),
+    "sglang": ("megamoe_cli.baselines.peers.sglang", "SGLangBackend", {}),
+    "sglang-graph": ("megamoe_cli.baselines.peers.sglang", "SGLangBackend", {"graph": True}),
 }
 
 BACKENDS: Tuple[str, ...] = tuple(_REGISTRY)
@@ -39,7 +39,7 @@ HOPPER_ONLY = frozenset({"fused", "fused-graph", "deepgemm", "deepgemm-graph", "
 # them before any rank starts.
 CUDA_ONLY = HOPPER_ONLY | {"torch-graph", "sglang", "sglang-graph"}
 
-# Peers: backends that run another project's package (megamoe_cli.peers owns the list), refused up
+# Peers: backends that run another project's package (megamoe_cli.baselines.peers owns the list), refused up
 # front where it is not installed.
 PEER_BACKENDS: Tuple[str, ...] = tuple(PEER_OF)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
-from .contract import BLOCK_N, GRID_SYNC_WORDS, SUPPORTED_BLOCK_M, GridSyncWord, check_block_m
+from .kernel.contract import BLOCK_N, GRID_SYNC_WORDS, SUPPORTED_BLOCK_M, GridSyncWord, check_block_m
 from .errors import MegaMoEError
 from .formats import WEIGHT_FORMATS, WeightFormat
 

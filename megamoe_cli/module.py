@@ -57,7 +57,7 @@ from .errors import MegaMoEError
 from .formats import WeightFormat
 from .layout import MoEShape
 from .op import mega_moe_op, register_layer  # registers torch.ops.megamoe.mega_moe
-from .quant import BLOCK, FP8_DTYPE, MX_BLOCK, UE8M0_NAN, quantize_mxfp4, quantize_per_block, quantize_per_token
+from .reference.quant import BLOCK, FP8_DTYPE, MX_BLOCK, UE8M0_NAN, quantize_mxfp4, quantize_per_block, quantize_per_token
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # widened to FP32 exactly
@@ -396,7 +396,7 @@ class MegaMoE(torch.nn.Module):
                 num_max_tokens_per_rank < 1:
             raise MegaMoEError(f"MegaMoE: num_max_tokens_per_rank must be a positive int, got {num_max_tokens_per_rank!r}")
         if config is not None:
-            from .kernel_source import KernelConfig
+            from .kernel.kernel_source import KernelConfig
 
             if not isinstance(config, KernelConfig):
                 raise MegaMoEError(f"MegaMoE: config must be a KernelConfig, got {type(config).__name__}")
@@ -602,7 +602,7 @@ class MegaMoE(torch.nn.Module):
 
     def _reference_forward(self, x, x_sf, topk_idx, topk_weights) -> torch.Tensor:
         from .problem import Problem
-        from .reference import moe_reference_distributed
+        from .reference.layer import moe_reference_distributed
 
         w1, w1_sf, w2, w2_sf = self._weights
         problem = Problem(self.shape, self.rank, self.world_size, x.shape[0], self.num_max_tokens_per_rank,

@@ -26,7 +26,7 @@ import torch
 
 from .errors import MegaMoEError
 from .layout import MoEShape
-from .quant import BLOCK, FP8_DTYPE, MX_BLOCK, quantize_mxfp4, quantize_per_block, quantize_per_token
+from .reference.quant import BLOCK, FP8_DTYPE, MX_BLOCK, quantize_mxfp4, quantize_per_block, quantize_per_token
 
 ROUTINGS = ("random", "one_expert", "with_invalid", "imbalanced")
 

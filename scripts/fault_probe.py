@@ -46,10 +46,10 @@ import torch.distributed as dist
 
 from megamoe_cli.errors import MegaMoETimeout
 from megamoe_cli.fused import FusedBackend, mega_moe, synchronize
-from megamoe_cli.kernel_source import ENV_EXPERIMENT
+from megamoe_cli.kernel.kernel_source import ENV_EXPERIMENT
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_problem
-from megamoe_cli.reference import moe_reference_distributed
+from megamoe_cli.reference.layer import moe_reference_distributed
 
 CASES = ("bad_topk", "repeated_expert", "missing_rank", "slow_publisher", "stuck_publisher")
 PUBLISHER_TOKENS = 256  # 1024 pairs: ~64 rows per expert, ~25 blocks of 64, ~50 L1 tiles

@@ -1,4 +1,4 @@
-"""Host cost of an eager launch through megamoe_cli.jit, on one GPU: a trivial kernel and the fused
+"""Host cost of an eager launch through megamoe_cli.kernel.jit, on one GPU: a trivial kernel and the fused
 layer at 1 token (world size 1, every expert local).
 
 Every number is from the host timeline (time.perf_counter), in microseconds per call, the median
@@ -72,7 +72,7 @@ extern "C" __global__ void trivial(const __grid_constant__ Params p) {
 
 
 def trivial_kernel(torch, device, calls: int, samples: int) -> dict:
-    from megamoe_cli.jit import KernelSource, build, load_module
+    from megamoe_cli.kernel.jit import KernelSource, build, load_module
 
     (built,) = build([KernelSource("launch_cost_trivial", TRIVIAL_SOURCE)])
     function = load_module(built.cubin_path, device.index).get_function("trivial")
@@ -146,7 +146,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("launch_cost: needs a CUDA GPU (sm_90a for the fused layer), but torch sees none")
     device = torch.device("cuda", torch.cuda.current_device())
-    from megamoe_cli.jit import driver
+    from megamoe_cli.kernel.jit import driver
 
     if hasattr(driver, "cu"):  # the tree under test binds the driver through cuda.bindings (else ctypes)
         import cuda.bindings

@@ -1,7 +1,7 @@
 """How large the fused kernel's relative error against the reference can get by rounding alone.
 
 The GPU tests judge every output against the quantization-aware reference (FP64 GEMMs) with the
-rule of ``megamoe_cli.tolerance``: the relative L2 error of each token, each rank and the layer under
+rule of ``megamoe_cli.reference.tolerance``: the relative L2 error of each token, each rank and the layer under
 a bound that shrinks with the activations behind it.  The kernel's GEMMs are not FP64: each 128-K
 block's FP8 products are summed by the tensor cores at reduced precision, promoted into FP32 with
 the block's scales, SiLU uses fast exp / division, and the activations are requantized to FP8.
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamoe_cli.layout import PRESETS, MoEShape  # noqa: E402
 from megamoe_cli.problem import make_expert_weights, make_routing  # noqa: E402
-from megamoe_cli.quant import BLOCK, dequantize_per_block, quantize_per_token  # noqa: E402
-from megamoe_cli.reference import _expert_rows, combine_slots, squared_error  # noqa: E402
+from megamoe_cli.reference.quant import BLOCK, dequantize_per_block, quantize_per_token  # noqa: E402
+from megamoe_cli.reference.layer import _expert_rows, combine_slots, squared_error  # noqa: E402
 
 # The GPU tests' small shape (tests/gpu/test_fused.py), which differs from the "small" preset.
 GPU_TEST_SMALL = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-reuse", type=int, default=10, help="cases that share one draw of the weights")
     ap.add_argument("--limit", type=float, default=2e-2, help="a threshold to count errors over (without --check)")
     ap.add_argument("--check", action="store_true",
-                    help="judge every case with the tests' rule (megamoe_cli.tolerance) and print its margins")
+                    help="judge every case with the tests' rule (megamoe_cli.reference.tolerance) and print its margins")
     ap.add_argument("--routing", default="random", help="routing of the cases (--check only)")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
@@ -172,7 +172,7 @@ def check_table(shape, args) -> int:
     """The tests' rule on the emulated kernel: per setting, the cases it fails and the largest
     error / bound it saw at each level (token, a token's error along its row, rank, layer); below 1
     everywhere is a pass."""
-    from megamoe_cli.tolerance import judge, summarize
+    from megamoe_cli.reference.tolerance import judge, summarize
 
     print(f"shape {args.shape} (hidden {shape.hidden}, intermediate {shape.intermediate}, {shape.num_experts} "
           f"experts, top-{shape.num_topk}), routing {args.routing}; {args.seeds} fresh cases per row; "

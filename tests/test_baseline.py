@@ -4,12 +4,12 @@
 import pytest
 import torch
 
-from megamoe_cli.baseline import TorchBackend
+from megamoe_cli.baselines.torch_bf16 import TorchBackend
 from gloo_ranks import run_gloo
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_expert_weights, make_problem
-from megamoe_cli.reference import moe_reference
+from megamoe_cli.reference.layer import moe_reference
 
 SHAPE = MoEShape(hidden=256, intermediate=128, num_experts=8, num_topk=3)
 
@@ -137,7 +137,7 @@ def test_mxfp4_problems_with_a_clamp_follow_the_reference(backend):
     """The unfused pipelines take MXFP4 weights converted once to the FP8 values the fused kernel
     computes with, say so in their config, and apply the SwiGLU clamp."""
     from megamoe_cli.backends import get_backend
-    from megamoe_cli.reference import moe_reference_distributed
+    from megamoe_cli.reference.layer import moe_reference_distributed
 
     shape = MoEShape(hidden=256, intermediate=128, num_experts=8, num_topk=3, weights="fp4", activation_clamp=0.5)
     p = make_problem(shape, 0, 1, 24, 32, "cpu", seed=21)

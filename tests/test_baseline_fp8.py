@@ -13,11 +13,11 @@ import torch
 
 from gloo_ranks import run_gloo
 from megamoe_cli.backends import get_backend
-from megamoe_cli.baseline_fp8 import TorchFP8Backend, default_block_m
+from megamoe_cli.baselines.torch_fp8 import TorchFP8Backend, default_block_m
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_expert_weights, make_problem
-from megamoe_cli.reference import moe_reference
+from megamoe_cli.reference.layer import moe_reference
 
 SHAPE = MoEShape(hidden=256, intermediate=128, num_experts=8, num_topk=3)
 # Same quantization points as the reference; only FP32 summation order differs, which flips an
@@ -167,7 +167,7 @@ def test_default_block_m_follows_the_rows_per_expert():
 @pytest.mark.slow
 def test_triton_on_cpu_without_the_interpreter_is_refused():
     code = (
-        "from megamoe_cli.baseline_fp8 import TorchFP8Backend\n"
+        "from megamoe_cli.baselines.torch_fp8 import TorchFP8Backend\n"
         "from megamoe_cli.layout import MoEShape\n"
         "from megamoe_cli.problem import make_problem\n"
         "from megamoe_cli.errors import MegaMoEError\n"

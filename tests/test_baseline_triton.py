@@ -8,14 +8,14 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from megamoe_cli.quant import (  # noqa: E402
+from megamoe_cli.reference.quant import (  # noqa: E402
     FP8_DTYPE,
     dequantize_per_block,
     dequantize_per_token,
     quantize_per_block,
     quantize_per_token,
 )
-from megamoe_cli.reference import combine_slots  # noqa: E402
+from megamoe_cli.reference.layer import combine_slots  # noqa: E402
 
 bt = triton_interpreter.kernels()
 

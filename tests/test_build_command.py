@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-import megamoe_cli.jit as jit
+import megamoe_cli.kernel.jit as jit
 from cli_checks import assert_one_line_error, run_cli
 from megamoe_cli.fused import resolve_config
-from megamoe_cli.kernel_source import Variant
+from megamoe_cli.kernel.kernel_source import Variant
 from megamoe_cli.layout import PRESETS
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-BUILD_MODULE = importlib.import_module("megamoe_cli.jit.build")  # the package's `build` is the function
+BUILD_MODULE = importlib.import_module("megamoe_cli.kernel.jit.build")  # the package's `build` is the function
 
 
 @needs_nvcc

@@ -831,7 +831,7 @@ def test_bench_run_that_stops_early_exits_2_after_showing_what_it_measured(monke
 
 
 def test_bench_tuned_config_flag_reaches_the_ranks_and_a_broken_one_is_named(fake_cpu_run, tmp_path, monkeypatch):
-    from megamoe_cli import tuned
+    from megamoe_cli.kernel import tuned
     from megamoe_cli.bench import launcher
 
     monkeypatch.delenv(tuned.ENV_VAR, raising=False)
@@ -927,7 +927,7 @@ def test_bench_refuses_an_out_it_cannot_write_before_any_rank_starts(fake_cpu_ru
 )
 def test_bench_refuses_a_broken_tuned_config_named_by_the_flag_or_the_variable(fake_cpu_run, tmp_path, monkeypatch,
                                                                              content, fragments):
-    from megamoe_cli import tuned
+    from megamoe_cli.kernel import tuned
 
     store = tmp_path / "tuned.json"
     store.write_bytes(content)
@@ -944,7 +944,7 @@ def test_bench_refuses_a_broken_tuned_config_named_by_the_flag_or_the_variable(f
 
 
 def test_bench_takes_a_tuned_config_variable_that_names_no_file_yet(fake_cpu_run, tmp_path, monkeypatch):
-    from megamoe_cli import tuned
+    from megamoe_cli.kernel import tuned
 
     monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "not_yet.json"))  # megamoe tune creates it
     assert run("bench", "--tokens", "8", "--out", str(tmp_path / "r.csv")).exit_code == 0
@@ -955,7 +955,7 @@ def test_bench_takes_a_tuned_config_variable_that_names_no_file_yet(fake_cpu_run
 
 
 def test_tune_checks_its_tuned_config_before_building_or_asking_for_a_gpu(tmp_path, monkeypatch, read_only):
-    from megamoe_cli import tuned
+    from megamoe_cli.kernel import tuned
 
     monkeypatch.delenv(tuned.ENV_VAR, raising=False)
     folder = read_only(tmp_path / "locked")
@@ -1019,7 +1019,7 @@ def test_bench_exit_status_on_cpu_ranks_0_when_all_points_pass_3_when_one_fails(
 
 
 def test_tune_with_points_that_saved_nothing_exits_3(monkeypatch, tmp_path):
-    from megamoe_cli import tuned
+    from megamoe_cli.kernel import tuned
     from megamoe_cli.bench import tune as library
     from megamoe_cli.cli import tune as command
 

@@ -1,4 +1,4 @@
-"""CPU tier: the host <-> device contract (megamoe_cli/contract.py) and the kernel agree.
+"""CPU tier: the host <-> device contract (megamoe_cli/kernel/contract.py) and the kernel agree.
 
 The kernel headers use the names the generated contract defines and define none of them, and
 every name in the contract's enums is one the kernel uses; compiled by nvcc, the generated header
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_cli import contract
-from megamoe_cli.contract import (
+from megamoe_cli.kernel import contract
+from megamoe_cli.kernel.contract import (
     BLOCK_K,
     BLOCK_N,
     DIAGNOSTIC_FIELDS,
@@ -26,7 +26,7 @@ from megamoe_cli.contract import (
     TraceKind,
     contract_header,
 )
-from megamoe_cli.kernel_source import Variant, csrc_dir, generate_source, smem_bytes
+from megamoe_cli.kernel.kernel_source import Variant, csrc_dir, generate_source, smem_bytes
 from megamoe_cli.layout import PRESETS
 
 HEADERS = {path.name: path.read_text() for path in sorted((csrc_dir() / "megamoe").glob("*.cuh"))}
@@ -148,7 +148,7 @@ def _expected_asserts() -> str:
 
 
 def _compile(tmp_path: Path, text: str, *flags: str) -> subprocess.CompletedProcess:
-    from megamoe_cli.jit.build import find_nvcc
+    from megamoe_cli.kernel.jit.build import find_nvcc
 
     source = tmp_path / "contract_check.cu"
     source.write_text(text)

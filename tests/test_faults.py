@@ -25,7 +25,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from megamoe_cli import contract, fused, tuned
+from megamoe_cli.kernel import contract
+from megamoe_cli import fused
+from megamoe_cli.kernel import tuned
 from megamoe_cli.fused import buffer as fused_buffer
 from megamoe_cli.fused import launch as fused_launch
 from megamoe_cli.bench import launcher
@@ -34,7 +36,7 @@ from megamoe_cli.bench.results import append_rows, make_row, read_results
 from megamoe_cli.bench.sweep import load_sweep_text
 from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError, MegaMoETimeout
-from megamoe_cli.kernel_source import (
+from megamoe_cli.kernel.kernel_source import (
     MAX_SMEM_BYTES,
     TAIL_FIELDS,
     KernelConfig,
@@ -487,7 +489,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc on PATH")
 KERNEL = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] *= 3.0f; }\n'
 BUILDER = """
 import json, sys
-from megamoe_cli.jit import KernelSource, build
+from megamoe_cli.kernel.jit import KernelSource, build
 (kernel,) = build([KernelSource("killed", sys.argv[1])], lock_timeout_s=float(sys.argv[2]))
 print(json.dumps({"from_cache": kernel.from_cache, "cubin": str(kernel.cubin_path)}))
 """
@@ -550,7 +552,7 @@ def test_a_process_waiting_on_a_killed_build_takes_it_over(tmp_path):
 
 @needs_nvcc
 def test_a_damaged_cache_entry_is_rebuilt_not_loaded(tmp_path, monkeypatch):
-    from megamoe_cli.jit import KernelSource, build
+    from megamoe_cli.kernel.jit import KernelSource, build
 
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MEGAMOE_NVCC", raising=False)

@@ -20,7 +20,7 @@ import pytest
 
 from fake_driver.harness import build_fake_driver, run_with_fake_driver
 from megamoe_cli.errors import MegaMoEError, MegaMoETimeout
-from megamoe_cli.jit import (
+from megamoe_cli.kernel.jit import (
     BuildError,
     KernelSource,
     PtxasReport,
@@ -31,10 +31,10 @@ from megamoe_cli.jit import (
     validate_tensor_map_2d,
     variant_key,
 )
-from megamoe_cli.jit import driver
+from megamoe_cli.kernel.jit import driver
 
 # The package's ``build`` is the function; the module it lives in is reached by its full name.
-build_module = importlib.import_module("megamoe_cli.jit.build")
+build_module = importlib.import_module("megamoe_cli.kernel.jit.build")
 
 REPO = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
@@ -104,7 +104,7 @@ def compile_starts(starts):
 WORKER = """
 import json, os, sys, time
 from pathlib import Path
-from megamoe_cli.jit import KernelSource, build
+from megamoe_cli.kernel.jit import KernelSource, build
 source, go = Path(sys.argv[1]), Path(sys.argv[2])
 while not go.exists():
     time.sleep(0.01)
@@ -424,7 +424,7 @@ def fake_driver_run(tmp_path_factory):
     (library / "report.json").write_text(json.dumps({"report": PtxasReport.parse(
         "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n").to_dict()}))
     return run_with_fake_driver(library, r"""
-from megamoe_cli.jit import driver, encode_tensor_map_2d, load_module
+from megamoe_cli.kernel.jit import driver, encode_tensor_map_2d, load_module
 out = {}
 module = load_module("k.cubin", 1)
 out["context"] = module.context
@@ -682,11 +682,11 @@ def test_a_variant_whose_wgmmas_ptxas_serialized_is_refused_before_loading(monke
     naming the note; a profiling build (extra counters) is still loaded."""
     from types import SimpleNamespace
 
-    from megamoe_cli import jit
+    from megamoe_cli.kernel import jit
     from megamoe_cli.errors import MegaMoEError
     from megamoe_cli.fused import launch
-    from megamoe_cli.jit.build import PtxasReport
-    from megamoe_cli.kernel_source import Variant
+    from megamoe_cli.kernel.jit.build import PtxasReport
+    from megamoe_cli.kernel.kernel_source import Variant
     from megamoe_cli.layout import PRESETS
 
     note = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due "

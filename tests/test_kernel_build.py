@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.heuristics import default_config
-from megamoe_cli.jit import build
-from megamoe_cli.kernel_source import (
+from megamoe_cli.kernel.heuristics import default_config
+from megamoe_cli.kernel.jit import build
+from megamoe_cli.kernel.kernel_source import (
     KERNEL_NAME,
     MAX_SMEM_BYTES,
     SUPPORTED_BLOCK_M,
@@ -118,7 +118,7 @@ def test_the_profiling_build_compiles(tmp_path, monkeypatch):
 
 
 def test_the_report_catches_serialized_wgmma():
-    from megamoe_cli.jit.build import PtxasReport
+    from megamoe_cli.kernel.jit.build import PtxasReport
 
     line = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
             "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline "
@@ -129,7 +129,7 @@ def test_the_report_catches_serialized_wgmma():
 
 def test_diagnostic_builds_are_named_by_the_environment_and_checked(monkeypatch):
     from megamoe_cli.errors import MegaMoEError
-    from megamoe_cli.kernel_source import ENV_EXPERIMENT, EXPERIMENTS
+    from megamoe_cli.kernel.kernel_source import ENV_EXPERIMENT, EXPERIMENTS
 
     v = Variant(PRESETS["small"], 2, 64, 64, 4, 1)
     monkeypatch.delenv(ENV_EXPERIMENT, raising=False)
@@ -156,7 +156,7 @@ def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch
     kernels like the others: no spills (the runtime would refuse them) and no serialized WGMMAs."""
     import importlib.util
 
-    from megamoe_cli.kernel_source import ENV_EXPERIMENT
+    from megamoe_cli.kernel.kernel_source import ENV_EXPERIMENT
 
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
     spec = importlib.util.spec_from_file_location(
@@ -180,7 +180,7 @@ def test_the_publisher_fault_builds_compile_without_spills(tmp_path, monkeypatch
 def test_the_microbenchmarks_compile_without_spills_or_serialized_wgmma(tmp_path, name, min_modes):
     import subprocess
 
-    from megamoe_cli.jit.build import PtxasReport, find_nvcc
+    from megamoe_cli.kernel.jit.build import PtxasReport, find_nvcc
 
     source = csrc_dir() / "microbench" / f"{name}.cu"
     result = subprocess.run(
@@ -206,7 +206,7 @@ def test_the_ping_pong_register_budget_is_what_the_notes_say(tmp_path, full, dec
     partial does not, even at 240."""
     import subprocess
 
-    from megamoe_cli.jit.build import PtxasReport, find_nvcc
+    from megamoe_cli.kernel.jit.build import PtxasReport, find_nvcc
 
     source = csrc_dir() / "microbench" / "pingpong_regs.cu"
     result = subprocess.run(
@@ -286,7 +286,7 @@ def test_cross_rank_signals_fence_once_then_write_relaxed(tmp_path):
     """
     import subprocess
 
-    from megamoe_cli.jit.build import find_nvcc
+    from megamoe_cli.kernel.jit.build import find_nvcc
 
     variant = Variant(PRESETS["deepseek-v3"], 2, 4096, 64, 4, 1)
     source = tmp_path / "kernel.cu"

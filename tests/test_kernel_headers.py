@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from megamoe_cli.kernel_source import Variant, csrc_dir, generate_source
+from megamoe_cli.kernel.kernel_source import Variant, csrc_dir, generate_source
 from megamoe_cli.layout import PRESETS
 from graph_checks import find_cycle
 
@@ -62,7 +62,7 @@ STANDALONE_VARIANTS = {
 @pytest.mark.parametrize("variant_name", sorted(STANDALONE_VARIANTS))
 @pytest.mark.slow
 def test_every_header_compiles_on_its_own(tmp_path, variant_name):
-    from megamoe_cli.jit.build import find_nvcc
+    from megamoe_cli.kernel.jit.build import find_nvcc
 
     variant, profile = STANDALONE_VARIANTS[variant_name]
     source = generate_source(variant, profile)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.module import MegaMoE
 from megamoe_cli.op import layer_of
-from megamoe_cli.quant import quantize_mxfp4, quantize_per_token
+from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_token
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, NUM_TOPK = 256, 128, 4, 2
 ROOT = Path(__file__).resolve().parents[1]

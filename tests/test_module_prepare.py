@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megamoe_cli import fused, tuned
+from megamoe_cli import fused
+from megamoe_cli.kernel import tuned
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.kernel_source import KernelConfig
+from megamoe_cli.kernel.kernel_source import KernelConfig
 from megamoe_cli.layout import BufferConfig
 from megamoe_cli.module import MegaMoE
 

@@ -16,7 +16,7 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 def test_the_test_extra_holds_every_optional_extra():
     """Every extra but the peers': those run on Hopper GPUs only (their GPU tier), and CI never
     installs them."""
-    from megamoe_cli.peers import PEER_OF
+    from megamoe_cli.baselines.peers import PEER_OF
 
     extras = PROJECT["optional-dependencies"]
     test = set(extras["test"])
@@ -47,3 +47,18 @@ def test_the_readmes_first_command_takes_torch_from_the_cpu_index():
 def test_the_torch_floor_is_a_version_that_was_run():
     (torch_requirement,) = [r for r in PROJECT["dependencies"] if r.startswith("torch")]
     assert torch_requirement == "torch>=2.11"  # the GPU machine's 2.11.0+cu130; the CPU tests run 2.13.0
+
+
+def test_the_kernel_sources_are_found_in_the_source_tree_and_in_a_wheel(tmp_path):
+    """setup.py ships csrc/ as megamoe_cli/csrc; the source tree keeps it beside the package."""
+    from megamoe_cli.errors import MegaMoEError
+    from megamoe_cli.kernel.kernel_source import PACKAGE_DIR, csrc_dir
+
+    assert PACKAGE_DIR == REPO / "megamoe_cli"
+    assert csrc_dir() == REPO / "csrc"
+    wheel = tmp_path / "site-packages" / "megamoe_cli"
+    (wheel / "csrc" / "megamoe").mkdir(parents=True)
+    (wheel / "csrc" / "megamoe" / "kernel.cuh").write_text("")
+    assert csrc_dir(wheel) == wheel / "csrc"
+    with pytest.raises(MegaMoEError, match="kernel sources not found next to .*expected csrc/megamoe/kernel.cuh"):
+        csrc_dir(tmp_path / "elsewhere" / "megamoe_cli")

@@ -6,11 +6,12 @@ the host logic without a GPU."""
 import pytest
 import torch
 
-from megamoe_cli import fused, reference
+from megamoe_cli import fused
+from megamoe_cli.reference import layer as reference
 from megamoe_cli.fused import buffer as fused_buffer
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.gpus import rank_placement
-from megamoe_cli.jit import driver
+from megamoe_cli.kernel.jit import driver
 
 
 @pytest.mark.parametrize("local_rank,local_world,gpus,expected", [
@@ -248,7 +249,7 @@ def test_close_unmaps_and_meets_the_others_even_when_the_device_failed(monkeypat
 def test_a_new_buffer_closes_the_runners_old_one_and_the_old_runner_refuses_calls(monkeypatch):
     from types import SimpleNamespace
 
-    from megamoe_cli.kernel_source import KernelConfig
+    from megamoe_cli.kernel.kernel_source import KernelConfig
     from megamoe_cli.layout import MoEShape
 
     made, closed = [], []

@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from megamoe_cli import peers
+from megamoe_cli.baselines import peers
 from megamoe_cli.backends import BACKENDS, BASELINE_BACKENDS, PEER_BACKENDS
 from megamoe_cli.bench import compare, launcher, results, sweep
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.peers import align, deepgemm, sglang
-from megamoe_cli.quant import FP8_DTYPE, dequantize_per_token, quantize_per_token
+from megamoe_cli.baselines.peers import align, deepgemm, sglang
+from megamoe_cli.reference.quant import FP8_DTYPE, dequantize_per_token, quantize_per_token
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ def test_deepgemm_layout_rule():
 
 
 def test_peers_refuse_config_keys_they_do_not_take():
-    from megamoe_cli.peers.deepgemm_fused import DeepGEMMFusedBackend
+    from megamoe_cli.baselines.peers.deepgemm_fused import DeepGEMMFusedBackend
 
     with pytest.raises(MegaMoEError, match="takes no config keys"):
         DeepGEMMFusedBackend().prepare(None, None, {"block_m": 64})
@@ -266,7 +266,7 @@ class _TorchDeepGEMM:
 
     @staticmethod
     def _rows(a, a_sf, w, w_sf):
-        from megamoe_cli.quant import dequantize_per_block
+        from megamoe_cli.reference.quant import dequantize_per_block
 
         return (dequantize_per_token(a, a_sf) @ dequantize_per_block(w, w_sf).T).bfloat16()
 
@@ -300,8 +300,8 @@ def test_deepgemm_glue_matches_the_reference(monkeypatch, layout, tokens, routin
     triton_interpreter.kernels()
     from megamoe_cli.layout import MoEShape
     from megamoe_cli.problem import make_problem
-    from megamoe_cli.reference import moe_reference_distributed
-    from megamoe_cli.tolerance import check_output
+    from megamoe_cli.reference.layer import moe_reference_distributed
+    from megamoe_cli.reference.tolerance import check_output
 
     shape = MoEShape(hidden=256, intermediate=256, num_experts=8, num_topk=2)
     problem = make_problem(shape, 0, 1, tokens, tokens, "cpu", 3, routing=routing)

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from fake_driver.harness import build_fake_driver, run_with_fake_driver
-from megamoe_cli.jit import driver
+from megamoe_cli.kernel.jit import driver
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def launches(tmp_path_factory):
     library = build_fake_driver(tmp_path_factory.mktemp("fake_driver"))
     (library / "k.cubin").write_bytes(b"\x7fELF" + bytes(range(12)))
     return run_with_fake_driver(library, r"""
-from megamoe_cli.jit import driver, load_module
+from megamoe_cli.kernel.jit import driver, load_module
 out = {}
 module = load_module("k.cubin", 0)
 function = module.get_function("k")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.quant import (
+from megamoe_cli.reference.quant import (
     dequantize_per_block,
     dequantize_per_token,
     quantize_per_block,

@@ -1,4 +1,4 @@
-"""An independent check of the reference (megamoe_cli.reference, megamoe_cli.quant): the kernel is
+"""An independent check of the reference (megamoe_cli.reference.layer, megamoe_cli.reference.quant): the kernel is
 judged against the reference, so a bug both share would pass every GPU test.  Two checks that
 owe nothing to the reference's code:
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megamoe_cli.quant as quant
-import megamoe_cli.reference as reference
+import megamoe_cli.reference.quant as quant
+import megamoe_cli.reference.layer as reference
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_problem
 

@@ -1,4 +1,4 @@
-"""megamoe_cli.tolerance: the rule every GPU test applies passes what rounding explains (the
+"""megamoe_cli.reference.tolerance: the rule every GPU test applies passes what rounding explains (the
 emulated kernel of scripts/tolerance_model.py) and rejects layers with planted bugs, built on the
 CPU from the reference pipeline and the emulated kernel."""
 
@@ -11,9 +11,9 @@ import torch
 
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.problem import make_expert_weights, make_problem
-from megamoe_cli.quant import dequantize_per_block, dequantize_per_token, quantize_per_token
-from megamoe_cli.reference import _expert_rows, combine_slots, pooled_relative_error, squared_error
-from megamoe_cli.tolerance import FLOOR, SCALE, check_output, checksum, error_bound, judge, summarize
+from megamoe_cli.reference.quant import dequantize_per_block, dequantize_per_token, quantize_per_token
+from megamoe_cli.reference.layer import _expert_rows, combine_slots, pooled_relative_error, squared_error
+from megamoe_cli.reference.tolerance import FLOOR, SCALE, check_output, checksum, error_bound, judge, summarize
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tolerance_model.py"
 spec = importlib.util.spec_from_file_location("tolerance_model", SCRIPT)

@@ -1,4 +1,4 @@
-"""The per-token bounds of megamoe_cli.tolerance: a correct layer (the kernel's numerics emulated by
+"""The per-token bounds of megamoe_cli.reference.tolerance: a correct layer (the kernel's numerics emulated by
 scripts/tolerance_model.py) passes them, and a row spoiled by 1% fails them at the large shapes."""
 
 import importlib.util
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megamoe_cli.layout import MoEShape
-from megamoe_cli.tolerance import check_output, error_bound, scale_bound
+from megamoe_cli.reference.tolerance import check_output, error_bound, scale_bound
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tolerance_model.py"
 spec = importlib.util.spec_from_file_location("tolerance_model", SCRIPT)
@@ -92,7 +92,7 @@ def test_the_bounds_at_the_calibrated_shapes():
 def test_without_the_direction_check_the_spoiled_row_passes(emulated, monkeypatch):
     """The planted bug "no direction check": the size bound alone lets the 1% row through, since
     a correct token's error reaches that size at this shape."""
-    import megamoe_cli.tolerance as tolerance
+    import megamoe_cli.reference.tolerance as tolerance
 
     y, ref, idx = emulated
     monkeypatch.setattr(tolerance, "PROJECTION", 1e9)

@@ -8,7 +8,7 @@ import torch
 
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_expert_weights
-from megamoe_cli.quant import dequantize_per_block, quantize_per_token
+from megamoe_cli.reference.quant import dequantize_per_block, quantize_per_token
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tolerance_model.py"
 spec = importlib.util.spec_from_file_location("tolerance_model", SCRIPT)

@@ -101,7 +101,7 @@ def test_read_trace_unpacks_what_the_kernel_packs_and_names_every_kind():
     import struct
     from types import SimpleNamespace
 
-    from megamoe_cli.contract import TraceKind
+    from megamoe_cli.kernel.contract import TraceKind
     from megamoe_cli.fused.diagnostics import TRACE_KINDS
     from megamoe_cli.fused.launch import Kernel
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megamoe_cli import heuristics, tuned
+from megamoe_cli.kernel import heuristics, tuned
 from megamoe_cli.bench import tune as lib
 from megamoe_cli.bench.launcher import BenchEvent, BenchResult, run_bench
 from megamoe_cli.bench.sweep import load_sweep_text
@@ -32,8 +32,8 @@ from megamoe_cli.bench.tune import (
     CandidateResult,
 )
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.jit import BuildError
-from megamoe_cli.kernel_source import Variant, kernel_build_source
+from megamoe_cli.kernel.jit import BuildError
+from megamoe_cli.kernel.kernel_source import Variant, kernel_build_source
 from megamoe_cli.layout import PRESETS
 from cli_checks import assert_one_line_error, run_cli
 
@@ -153,7 +153,7 @@ def test_candidates_always_include_the_default_and_record_every_exclusion():
     reasons = {(r.candidate.block_m, r.candidate.num_stages, r.candidate.num_sms): r.reason for r in plan.excluded}
     assert all(r.status == EXCLUDED and r.stage == "config" for r in plan.excluded)
     assert "block_m=32 is not supported" in reasons[(32, 4, 0)]
-    from megamoe_cli.kernel_source import MAX_SMEM_BYTES, Variant, smem_bytes
+    from megamoe_cli.kernel.kernel_source import MAX_SMEM_BYTES, Variant, smem_bytes
 
     needed = smem_bytes(Variant(DSV3, 2, 8192, 128, 5, 1))
     assert needed > MAX_SMEM_BYTES
@@ -246,7 +246,7 @@ def test_build_failures_spills_and_serialized_wgmma_are_excluded_with_their_own_
 def test_prebuilt_sources_are_the_ones_the_fused_runner_loads(monkeypatch):
     import torch
 
-    from megamoe_cli import jit
+    from megamoe_cli.kernel import jit
     from megamoe_cli.fused import launch
 
     variant = Variant(DSV3, 2, 128, 64, 4)
@@ -617,7 +617,7 @@ def test_launcher_plan_extra_cannot_replace_the_plan(tmp_path):
 STAND_IN_BACKEND = textwrap.dedent(
     """
     import megamoe_cli.bench.session as session
-    from megamoe_cli.reference import moe_reference_distributed
+    from megamoe_cli.reference.layer import moe_reference_distributed
 
 
     class VirtualClock:

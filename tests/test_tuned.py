@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from megamoe_cli import heuristics, tuned
+from megamoe_cli.kernel import heuristics, tuned
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import PRESETS
 
@@ -225,7 +225,7 @@ SM90_MAX_SMEM_BYTES = 227 * 1024
 @pytest.mark.parametrize("preset_name", sorted(PRESETS))
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 def test_default_config_is_a_buildable_kernel_variant(preset_name, world_size):
-    from megamoe_cli.kernel_source import KernelConfig, Variant, smem_bytes
+    from megamoe_cli.kernel.kernel_source import KernelConfig, Variant, smem_bytes
 
     shape = PRESETS[preset_name]
     if shape.num_experts % world_size:
@@ -247,7 +247,7 @@ def test_fp4_weights_have_their_own_key_and_fp8_keys_are_unchanged():
     import dataclasses
 
     from megamoe_cli.layout import PRESETS
-    from megamoe_cli.tuned import TunedKey, make_key
+    from megamoe_cli.kernel.tuned import TunedKey, make_key
 
     fp8 = make_key("H200", 2, PRESETS["deepseek-v3"], 128)
     fp4 = make_key("H200", 2, dataclasses.replace(PRESETS["deepseek-v3"], weights="fp4"), 128)

@@ -1,6 +1,6 @@
 // Compile-time shape/config constants and small helpers shared by every role.
-// The generated translation unit (megamoe_cli/kernel_source.py) defines the MEGAMOE_* macros,
-// `struct Params` and the contract (megamoe_cli/contract.py: tile shape, Phase, Diagnostic,
+// The generated translation unit (megamoe_cli/kernel/kernel_source.py) defines the MEGAMOE_* macros,
+// `struct Params` and the contract (megamoe_cli/kernel/contract.py: tile shape, Phase, Diagnostic,
 // ProfileSlot, TraceKind, GridSyncWord) before including kernel.cuh.
 #pragma once
 #include <cstdint>
@@ -13,7 +13,7 @@
 #include "ptx.cuh"
 
 #ifndef MEGAMOE_CONTRACT
-#error "the generated contract (megamoe_cli/contract.py, contract_header) must come before the kernel headers"
+#error "the generated contract (megamoe_cli/kernel/contract.py, contract_header) must come before the kernel headers"
 #endif
 
 // Cycle counters for profiling builds (MEGAMOE_PROFILE): summed over CTAs, read by the host

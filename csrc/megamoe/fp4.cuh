@@ -2,7 +2,7 @@
 // one stored stage into the 128B-swizzled e4m3 tile that the FP8 WGMMAs read, or straight into
 // WGMMA A fragments.  No kernel state: the consumers (consumer.cuh) and the expansion
 // microbenchmark (csrc/microbench/fp4_expand.cu) run the same code.  The stage as
-// megamoe_cli/weight_layout.py lays it out (fp4_stages): kFp4StageRows rows x kFp4RowBytes bytes
+// megamoe_cli/kernel/weight_layout.py lays it out (fp4_stages): kFp4StageRows rows x kFp4RowBytes bytes
 // of codes, then kFp4StageRows rows x 4 scale indices (each run's exponent relative to its 128x128
 // block's FP32 scale, biased by kFp4ScaleBias).  Word t of 32-code run s holds codes 4t..4t+3 and
 // 16+4t..16+4t+3 (FP4_RUN_ORDER: a WGMMA A fragment's two registers of K step s) as
@@ -55,7 +55,7 @@ __device__ __forceinline__ uint32_t fp4_group_word(const uint4& group, uint32_t 
 
 // Table entry i: the e4m3 bytes of the 8 e2m1 magnitudes times 2^(i - kFp4ScaleBias), codes 0-3
 // in .x and 4-7 in .y, rounded to nearest even where e4m3 has no exact value (subnormals,
-// flushes to zero; see megamoe_cli/weight_layout.py).
+// flushes to zero; see megamoe_cli/kernel/weight_layout.py).
 __device__ __forceinline__ uint2 fp4_table_entry(uint32_t index) {
     constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     const float scale = __int_as_float((127 + static_cast<int32_t>(index) - kFp4ScaleBias) << 23);

@@ -189,7 +189,7 @@ def check_backends(points: Sequence[Point], device_kind: str, world_size: int) -
     ranks would otherwise start, build and fail at every such point).  The fused kernel is
     sm_90a code: it runs on Hopper GPUs only."""
     from ..backends import CUDA_ONLY, HOPPER_ONLY
-    from ..peers import unavailable
+    from ..baselines.peers import unavailable
 
     for name in sorted({p.backend for p in points}):
         missing = unavailable(name)

@@ -79,7 +79,7 @@ Progress = Callable[[str], None]
 def parse_config(text: str) -> Dict[str, int]:
     """``auto`` -> {} (the config the runtime chooses); ``block_m:num_stages[:num_sms[:cluster_m]]``
     -> those knobs (num_sms 0: every SM), checked like any kernel config."""
-    from ..kernel_source import KernelConfig
+    from ..kernel.kernel_source import KernelConfig
 
     spelled = text.strip()
     if spelled.lower() == AUTO:
@@ -159,7 +159,7 @@ class ProfileOptions:
 def check_configs(points: Sequence[Any], options: ProfileOptions, world_size: int) -> None:
     """Every given config must build for every point (its block_m, depth and cluster size at that
     shape, world size and buffer), checked before anything starts."""
-    from ..kernel_source import Variant
+    from ..kernel.kernel_source import Variant
     from ..layout import BufferConfig
 
     for point in points:
@@ -327,7 +327,7 @@ class FusedProbe:
     def counters(self, calls: int) -> Tuple[Dict[str, int], List[Dict[str, Any]]]:
         """(cycle counters summed over ``calls`` kernel calls back to back, their timeline events)."""
         from ..fused.launch import get_kernel
-        from ..kernel_source import variant_for
+        from ..kernel.kernel_source import variant_for
 
         buf = self.runner.buf
         kernel = get_kernel(variant_for(buf.config, self.runner.kernel_cfg), buf.device)

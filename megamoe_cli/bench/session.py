@@ -181,14 +181,14 @@ class Reference:
     """The reference output of one problem, computed once (collective: every rank calls it)."""
 
     def __init__(self, problem: Any, group: Any):
-        from ..reference import moe_reference_distributed, squared_error
+        from ..reference.layer import moe_reference_distributed, squared_error
 
         self.y = moe_reference_distributed(problem, group)
         self.norm_sq = squared_error(self.y, self.y)[1]
 
     def squared_error(self, y: Any) -> Tuple[float, float]:
         """``(||y - y_ref||^2, ||y_ref||^2)``: this rank's share of the layer's pooled error."""
-        from ..reference import squared_error
+        from ..reference.layer import squared_error
 
         return squared_error(y, self.y)[0], self.norm_sq
 

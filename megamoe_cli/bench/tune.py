@@ -1,5 +1,5 @@
 """``megamoe tune`` as a library: measure candidate kernel configs of the fused layer per shape and
-token bucket, and merge the winners into the tuned-config store (``megamoe_cli.tuned``) that
+token bucket, and merge the winners into the tuned-config store (``megamoe_cli.kernel.tuned``) that
 ``heuristics.choose_config``, and through it the fused runner, reads.
 
 The run (``run_tune``):
@@ -90,11 +90,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .. import tuned
+from ..kernel import tuned
 from ..errors import MegaMoEError, MegaMoETimeout
 from ..gpus import GpuSpec, gpu_spec
-from ..heuristics import default_config
-from ..kernel_source import (
+from ..kernel.heuristics import default_config
+from ..kernel.kernel_source import (
     SUPPORTED_BLOCK_M,
     SUPPORTED_CLUSTER_M,
     SUPPORTED_STAGES,
@@ -540,8 +540,8 @@ def build_variants(variants: Sequence[Variant], build: Optional[Callable] = None
     ``jit.build`` stops at the first failure with one log: a failed variant is then compiled on
     its own for its own log, and the others are built again (cache hits for those finished).
     """
-    from ..jit import BuildError
-    from ..jit import build as jit_build
+    from ..kernel.jit import BuildError
+    from ..kernel.jit import build as jit_build
 
     build = build or jit_build
     variants = list(dict.fromkeys(variants))
@@ -609,7 +609,7 @@ def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
     """One candidate's result from every rank's ``{"error", "median_us", "diff_sq", "ref_sq"}``
     (``reference.squared_error`` of its output): the slowest rank's median is its time; the layer's
     error, every rank's pooled, decides whether it is right."""
-    from ..reference import pooled_relative_error
+    from ..reference.layer import pooled_relative_error
 
     errors = [entry.get("error") for entry in per_rank]
     if any(errors):

@@ -1,5 +1,5 @@
 """``megamoe tune --backend torch-graph`` (or ``torch``): the config search of the unfused FP8
-baseline's Triton GEMMs (``baseline_fp8.LaunchConfig``), on ``bench.tune``'s machinery.
+baseline's Triton GEMMs (``torch_fp8.LaunchConfig``), on ``bench.tune``'s machinery.
 
 What is the baseline's own here: its candidates, its tune sweeps and its plans.  Everything else
 is ``bench.tune``'s: the ranks time every candidate in lockstep (``measure_candidates``), the
@@ -17,7 +17,7 @@ shape, FP8 weights and token bucket.  An MXFP4 point runs the same FP8 GEMMs on 
 converted once (``weight_layout.mxfp4_as_fp8_blocks``), so its key is its FP8 twin's: a sweep that
 lists both formats tunes each shape once, and says so.
 
-Candidates: the default (``baseline_fp8.default_launch_config``, always, so the speedup over it is
+Candidates: the default (``torch_fp8.default_launch_config``, always, so the speedup over it is
 measured in the same run) plus the grid.  A grid dimension left out of the sweep is narrowed by
 what the point's expected rows per expert make plausible, so a sweep of many points stays short:
 
@@ -56,7 +56,7 @@ import time
 from dataclasses import astuple, dataclass, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .. import tuned
+from ..kernel import tuned
 from ..errors import MegaMoEError
 from ..gpus import gpu_spec
 from ..layout import MoEShape
@@ -69,9 +69,9 @@ DEFAULT_STAGES = (2, 3, 4, 5)
 
 
 def _launch_module():
-    from .. import baseline_fp8
+    from ..baselines import torch_fp8
 
-    return baseline_fp8
+    return torch_fp8
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class BaselineCandidate:
                 ("l2 block_n", str(self.l2_block_n)), ("group_m", str(self.group_m))]
 
     def config(self) -> Dict[str, Any]:
-        """What the store holds (``baseline_fp8.LAUNCH_KEYS``)."""
+        """What the store holds (``torch_fp8.LAUNCH_KEYS``)."""
         return self.launch.to_config()
 
     def backend_config(self) -> Dict[str, Any]:
@@ -237,9 +237,9 @@ def compile_one(shape: Tuple, launch: Tuple) -> str:
     does, on a one-token problem of the same dimensions; '' or why it failed."""
     import torch
 
-    from ..baseline_fp8 import LaunchConfig, TorchFP8Backend
+    from ..baselines.torch_fp8 import LaunchConfig, TorchFP8Backend
     from ..problem import Problem
-    from ..quant import BLOCK, FP8_DTYPE
+    from ..reference.quant import BLOCK, FP8_DTYPE
     from .session import error_text
 
     s = MoEShape(*shape)

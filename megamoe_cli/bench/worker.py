@@ -378,7 +378,7 @@ class Worker:
             metrics = metric_columns(model, stats.median_us, self.gpu)
         except MegaMoEError:
             metrics = {}
-        from ..reference import pooled_relative_error
+        from ..reference.layer import pooled_relative_error
 
         squares = [e["err_sq"] for e in everyone if e["err_sq"] is not None]
         layer, worst = pooled_relative_error(squares) if squares else (None, None)

@@ -14,7 +14,7 @@ def check_tuned_config(tuned_config, points, console) -> None:
     fused kernel) the default store.  The ranks inherit the choice."""
     from pathlib import Path
 
-    from .. import tuned
+    from ..kernel import tuned
     from ..backends import HOPPER_ONLY
 
     if tuned_config is not None:

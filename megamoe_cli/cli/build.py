@@ -47,9 +47,9 @@ def build(preset, hidden, intermediate, num_experts, num_topk, weights, activati
     from ..bench.launcher import check_points
     from ..bench.sweep import sweep_from_flags
     from ..fused import resolve_config
-    from ..jit import build as jit_build
-    from ..jit.build import cache_dir, find_nvcc
-    from ..kernel_source import Variant, kernel_build_source
+    from ..kernel.jit import build as jit_build
+    from ..kernel.jit.build import cache_dir, find_nvcc
+    from ..kernel.kernel_source import Variant, kernel_build_source
     from . import PointsFailed
     from ._console import stderr_console
 

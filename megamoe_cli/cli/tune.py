@@ -106,7 +106,7 @@ def tune(backend, sweep_file, preset, hidden, intermediate, num_experts, num_top
     """
     from pathlib import Path
 
-    from .. import tuned
+    from ..kernel import tuned
     from ..bench import tune as library
     from ._console import stderr_console
 
@@ -166,7 +166,7 @@ def _check_store(target, named_by) -> None:
     replaced by a rename, beside its lock file), or be one that can be created."""
     import os
 
-    from .. import tuned
+    from ..kernel import tuned
     from ..errors import MegaMoEError
     from ..files import check_writable
 

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import MegaMoEError, MegaMoETimeout
 from ..formats import WeightFormat
-from ..kernel_source import ENV_EXPERIMENT, KernelConfig, experiment_defines
+from ..kernel.kernel_source import ENV_EXPERIMENT, KernelConfig, experiment_defines
 from ..layout import BufferConfig, MoEShape
 from .buffer import SymmBuffer
 from .inputs import INPUT_NAMES, NO_INPUTS, check_inputs, check_tensor, copy_checked, input_addresses
@@ -167,7 +167,7 @@ def is_prepared(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, num_token
     if config is None:
         config = buf.call_configs.get(num_tokens_bound)
         if config is None:
-            from ..tuned import token_bucket
+            from ..kernel.tuned import token_bucket
 
             bound = buf.config.num_max_tokens_per_rank if num_tokens_bound is None else num_tokens_bound
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
@@ -203,8 +203,8 @@ def call_config(buf: SymmBuffer, num_tokens_bound: Optional[int] = None) -> Kern
     config = buf.call_configs.get(num_tokens_bound)
     if config is not None:
         return config
-    from ..heuristics import config_for_bound
-    from ..tuned import token_bucket
+    from ..kernel.heuristics import config_for_bound
+    from ..kernel.tuned import token_bucket
 
     cfg = buf.config
     bound = cfg.num_max_tokens_per_rank if num_tokens_bound is None else _check_bound(cfg, num_tokens_bound)
@@ -236,7 +236,7 @@ def resolve_config(shape: MoEShape, world_size: int, num_max_tokens_per_rank: in
     Chosen from ``num_max_tokens_per_rank`` (identical on every rank), never from one rank's
     token count, so every rank picks the same variant and buffer layout.
     """
-    from ..heuristics import choose_config
+    from ..kernel.heuristics import choose_config
 
     unknown = set(config) - {"block_m", "num_stages", "num_sms", "cluster_m"}
     if unknown:

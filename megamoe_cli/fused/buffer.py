@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from .. import contract
+from ..kernel import contract
 from ..errors import MegaMoEError
-from ..kernel_source import KernelConfig
+from ..kernel.kernel_source import KernelConfig
 from ..layout import BufferConfig, BufferLayout, MoEShape, build_layout, workspace_bytes
 from .diagnostics import describe_failure
 from .inputs import copy_inputs
@@ -80,7 +80,7 @@ def map_peer_buffers(nbytes: int, device: torch.device, rank: int, world_size: i
     GPU time-slices), so correctness only.  Returns this rank's buffer, every rank's address and
     the peers' handles this rank opened (``SymmBuffer.close`` closes them).  A rank whose export
     or mapping fails tells the others, so every rank raises instead of waiting for it."""
-    from ..jit import driver
+    from ..kernel.jit import driver
 
     try:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -178,7 +178,7 @@ class SymmBuffer:
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
-            from ..jit import driver
+            from ..kernel.jit import driver
 
             group_obj = group if group is not None else dist.group.WORLD
             gpus: List[Optional[Tuple[str, str]]] = [None] * self.world_size
@@ -226,7 +226,7 @@ class SymmBuffer:
         if self.closed or not self.shares_gpus:
             return
         self.closed = True
-        from ..jit import driver
+        from ..kernel.jit import driver
 
         error = None
         try:

@@ -1,5 +1,5 @@
 """Decoding what the kernel leaves for the host: its failure record, and the profiling build's
-counters and timeline.  Driven by the contract's tables (``megamoe_cli.contract``), which also
+counters and timeline.  Driven by the contract's tables (``megamoe_cli.kernel.contract``), which also
 generate the kernel's side of each; pure Python, no torch."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import struct
 from typing import Dict, List, Optional
 
-from .. import contract
+from ..kernel import contract
 
 PROFILE_ENV = "MEGAMOE_PROFILE"
 PROFILE_SLOTS = contract.PROFILE_SLOTS

@@ -11,9 +11,9 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..contract import BLOCK_K, BLOCK_N, NUM_THREADS
+from ..kernel.contract import BLOCK_K, BLOCK_N, NUM_THREADS
 from ..errors import MegaMoEError
-from ..kernel_source import (
+from ..kernel.kernel_source import (
     KERNEL_NAME,
     KernelConfig,
     Variant,
@@ -48,7 +48,7 @@ class Kernel:
     """A built, loaded variant."""
 
     def __init__(self, variant: Variant, device: torch.device):
-        from ..jit import build, load_module
+        from ..kernel.jit import build, load_module
 
         self.profile = profiling_enabled()
         (built,) = build([kernel_build_source(variant, self.profile)])
@@ -98,7 +98,7 @@ def get_kernel(variant: Variant, device: torch.device) -> Kernel:
 
 
 def tensor_maps(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, block_m: int, cluster_m: int) -> Dict[str, bytes]:
-    from ..jit import encode_tensor_map_2d
+    from ..kernel.jit import encode_tensor_map_2d
 
     cfg = buf.config
     s = cfg.shape

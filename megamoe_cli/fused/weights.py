@@ -7,12 +7,12 @@ from typing import Tuple
 
 import torch
 
-from .. import weight_layout
-from ..contract import BLOCK_K, BLOCK_N
+from ..kernel import weight_layout
+from ..kernel.contract import BLOCK_K, BLOCK_N
 from ..errors import MegaMoEError
-from ..kernel_source import FP4_STAGE_BYTES
+from ..kernel.kernel_source import FP4_STAGE_BYTES
 from ..layout import BufferConfig
-from ..quant import check_mxfp4
+from ..reference.quant import check_mxfp4
 from .inputs import check_tensor
 
 

@@ -12,12 +12,12 @@ import os
 import pytest
 import torch
 
-from megamoe_cli.baseline_fp8 import TorchFP8Backend
+from megamoe_cli.baselines.torch_fp8 import TorchFP8Backend
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
-from megamoe_cli.reference import moe_reference_distributed
-from megamoe_cli.tolerance import assert_output_ok, check_output
+from megamoe_cli.reference.layer import moe_reference_distributed
+from megamoe_cli.reference.tolerance import assert_output_ok, check_output
 
 pytestmark = pytest.mark.gpu
 
@@ -150,7 +150,7 @@ def test_graph_refuses_host_read_sizes(group):
 def test_the_rule_rejects_the_bf16_weight_pipeline(group):
     """torch-bf16w rounds the GEMM operands to BF16 and the L1 output to BF16 before the FP8
     requantization: ~1.7e-2 at DeepSeek-V3 shape, which the old pooled 2e-2 rule let pass."""
-    from megamoe_cli.baseline import TorchBackend
+    from megamoe_cli.baselines.torch_bf16 import TorchBackend
 
     rank, world = rank_and_world(group)
     problem = make_problem(DSV3, rank, world, 128, 128, "cuda", shared_seed(group))
@@ -245,8 +245,8 @@ def _gpu_or_skip():
 
 
 def test_a_tuned_entry_is_read_at_prepare_runs_and_matches_the_reference(group, tmp_path, monkeypatch):
-    from megamoe_cli import tuned
-    from megamoe_cli.baseline_fp8 import tuned_key
+    from megamoe_cli.kernel import tuned
+    from megamoe_cli.baselines.torch_fp8 import tuned_key
 
     gpu = _gpu_or_skip()
     rank, world = rank_and_world(group)
@@ -269,7 +269,7 @@ def test_the_shipped_tuned_configs_run_and_match_the_reference(group, tmp_path, 
     """Every entry `megamoe tune --backend torch-graph` wrote into the package for this GPU and
     world size (buckets up to 1024 tokens; 128 with MEGAMOE_GPU_QUICK=1), read the way `megamoe
     bench` reads it."""
-    from megamoe_cli import tuned
+    from megamoe_cli.kernel import tuned
 
     gpu = _gpu_or_skip()
     rank, world = rank_and_world(group)

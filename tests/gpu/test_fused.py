@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.contract import SUPPORTED_BLOCK_M
+from megamoe_cli.kernel.contract import SUPPORTED_BLOCK_M
 from megamoe_cli.fused import FusedBackend, SymmBuffer, call_config, mega_moe, synchronize, transform_weights_for_mega_moe
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem, make_routing
-from megamoe_cli.quant import quantize_per_token
-from megamoe_cli.reference import moe_reference_distributed
-from megamoe_cli.tolerance import assert_output_ok
+from megamoe_cli.reference.quant import quantize_per_token
+from megamoe_cli.reference.layer import moe_reference_distributed
+from megamoe_cli.reference.tolerance import assert_output_ok
 
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def run_fused(problem, group, config=None):
 
 
 def check_against_reference(problem, group, y):
-    """The output against the reference under the rule rounding explains (megamoe_cli.tolerance):
+    """The output against the reference under the rule rounding explains (megamoe_cli.reference.tolerance):
     the layer's relative error (every rank's rows pooled), every rank's and every token's, each
     under the bound for the activations behind it; a token without a valid slot exactly zero;
     every value finite.  Every rank reaches the same verdict."""

@@ -23,10 +23,10 @@ import torch
 
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.fused import ExpertWeights, FusedBackend, SymmBuffer, mega_moe, synchronize, transform_weights_for_mega_moe
-from megamoe_cli.kernel_source import KernelConfig
+from megamoe_cli.kernel.kernel_source import KernelConfig
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_expert_weights, make_problem
-from megamoe_cli.reference import layer_relative_error, moe_reference_distributed
+from megamoe_cli.reference.layer import layer_relative_error, moe_reference_distributed
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import torch
 from megamoe_cli.fused import FusedBackend, synchronize
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
-from megamoe_cli.quant import UE8M0_BIAS
+from megamoe_cli.reference.quant import UE8M0_BIAS
 
 from test_fused import check_against_reference, check_uneven_and_empty_ranks, rank_and_world, run_fused, shared_seed
 

@@ -16,9 +16,9 @@ import torch
 
 from megamoe_cli import fused
 from megamoe_cli.module import MegaMoE
-from megamoe_cli.quant import quantize_mxfp4, quantize_per_block, quantize_per_token
-from megamoe_cli.reference import moe_reference
-from megamoe_cli.tolerance import assert_output_ok, check_output
+from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block, quantize_per_token
+from megamoe_cli.reference.layer import moe_reference
+from megamoe_cli.reference.tolerance import assert_output_ok, check_output
 
 pytestmark = pytest.mark.gpu
 

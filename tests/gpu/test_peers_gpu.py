@@ -1,4 +1,4 @@
-"""The peers (megamoe_cli.peers) on a Hopper GPU: each installed one against the reference, on
+"""The peers (megamoe_cli.baselines.peers) on a Hopper GPU: each installed one against the reference, on
 hostile routing and on MXFP4 problems, and its graph replays equal to its eager call.  A peer
 whose package is not installed is skipped, naming the extra.
 
@@ -14,10 +14,10 @@ import torch
 
 from megamoe_cli.backends import get_backend
 from megamoe_cli.layout import PRESETS, MoEShape
-from megamoe_cli.peers import unavailable
+from megamoe_cli.baselines.peers import unavailable
 from megamoe_cli.problem import make_problem
-from megamoe_cli.reference import moe_reference_distributed
-from megamoe_cli.tolerance import check_output
+from megamoe_cli.reference.layer import moe_reference_distributed
+from megamoe_cli.reference.tolerance import check_output
 
 pytestmark = pytest.mark.gpu
 

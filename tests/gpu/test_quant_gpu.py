@@ -5,7 +5,7 @@ rounded; a device-dependent rounding would move FP8 values across rounding bound
 import pytest
 import torch
 
-from megamoe_cli.quant import quantize_mxfp4, quantize_per_block, quantize_per_token
+from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block, quantize_per_token
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the unfused FP8 baseline (``megamoe_cli.baseline_fp8``).
+"""Triton kernels of the unfused FP8 baseline (``megamoe_cli.baselines.torch_fp8``).
 
 * :func:`grouped_gemm_swiglu`: L1, a block-scaled FP8 grouped GEMM over rows grouped by expert
   (the kind vLLM runs for DeepSeek-V3 FP8 on Hopper), whose epilogue computes
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import AMAX_FLOOR, BLOCK, FP8_MAX
+from ..reference.quant import AMAX_FLOOR, BLOCK, FP8_MAX
 
 # The K step and the width of one requantized activation block: the recipe's scale block.
 BLOCK_K = BLOCK

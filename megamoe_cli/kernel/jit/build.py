@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import MegaMoEError, MegaMoETimeout
-from ..files import atomic_write
+from ...errors import MegaMoEError, MegaMoETimeout
+from ...files import atomic_write
 
 ENV_CACHE_DIR = "MEGAMOE_CACHE_DIR"
 ENV_NVCC = "MEGAMOE_NVCC"

@@ -74,7 +74,7 @@ from typing import List, Tuple
 
 import torch
 
-from .errors import MegaMoEError
+from ..errors import MegaMoEError
 
 # bound(n) = FLOOR + SCALE / sqrt(n); see the module docstring and scripts/tolerance_model.py.
 FLOOR = 7e-3

@@ -1,7 +1,7 @@
 """DeepGEMM's SM90 FP8 grouped GEMMs inside our unfused pipeline: backends ``deepgemm`` and
 ``deepgemm-graph``.
 
-The route, dispatch, pool and combine are the ``torch`` baseline's (``baseline_fp8``), so the
+The route, dispatch, pool and combine are the ``torch`` baseline's (``torch_fp8``), so the
 pipelines differ only in their expert GEMMs:
 
 * ``layout: contiguous`` (prefill): every expert's rows padded to DeepGEMM's M alignment in one
@@ -19,7 +19,7 @@ A operand MN-major; ours are K-major, and DeepGEMM transposes them in each call.
 
 Both GEMMs write BF16, where the fused kernel keeps L1's output in FP32 before SwiGLU: the error
 column shows what that costs.  MXFP4 problems run on their weights converted once to FP8 blocks
-(``baseline_fp8.fp8_weights_of``), the same values the fused kernel computes with.
+(``torch_fp8.fp8_weights_of``), the same values the fused kernel computes with.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from ..baseline_fp8 import LaunchConfig, _Layout, _Runner
-from ..errors import MegaMoEError
-from ..problem import Problem
-from ..quant import BLOCK, FP8_DTYPE
-from ..reference import resolve_group
+from ..torch_fp8 import LaunchConfig, _Layout, _Runner
+from ...errors import MegaMoEError
+from ...problem import Problem
+from ...reference.quant import BLOCK, FP8_DTYPE
+from ...reference.layer import resolve_group
 from . import DEEPGEMM, import_peer, version_of
 
 LAYOUTS = ("auto", "contiguous", "masked")

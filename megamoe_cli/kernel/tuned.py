@@ -5,7 +5,7 @@ Where: ``$MEGAMOE_TUNED_CONFIG`` if set, else ``~/.cache/megamoe/tuned.json``.
 What: a JSON object ``{"version": 1, "entries": {KEY: ENTRY}}``.  ``KEY`` is the string form of
 :class:`TunedKey`: the kernel it configures, GPU, world size, the MoE shape, the activation dtype
 and a token bucket.  ``ENTRY`` holds the ``config`` that won (the same keys
-``heuristics.default_config`` returns for the fused kernel; ``baseline_fp8``'s launch knobs for
+``heuristics.default_config`` returns for the fused kernel; ``torch_fp8``'s launch knobs for
 the baseline) and the evidence for it: the measured time, the default's time, the speedup, the
 date and the commit.
 
@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
-from .errors import MegaMoEError
-from .files import atomic_write
-from .gpus import gpu_spec
-from .layout import MoEShape
+from ..errors import MegaMoEError
+from ..files import atomic_write
+from ..gpus import gpu_spec
+from ..layout import MoEShape
 
 ENV_VAR = "MEGAMOE_TUNED_CONFIG"
 FORMAT_VERSION = 1
@@ -47,7 +47,7 @@ BASELINE_KERNEL = "baseline"
 # The baseline's measured launch configs shipped with the package (`megamoe tune --backend
 # torch-graph --config-file` this file to add to it).
 SHIPPED_BASELINE_NAME = "megamoe_cli/data/tuned_baseline.json"
-SHIPPED_BASELINE_PATH = Path(__file__).resolve().parent.parent / SHIPPED_BASELINE_NAME
+SHIPPED_BASELINE_PATH = Path(__file__).resolve().parents[2] / SHIPPED_BASELINE_NAME
 
 
 def default_path() -> Path:

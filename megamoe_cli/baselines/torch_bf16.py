@@ -2,7 +2,7 @@
 and ``torch-bf16``), the pipeline a PyTorch user writes without FP8 GEMMs.
 
 The FP8 layer with FP8 GEMMs and no host sync, the baseline the fused kernel is measured
-against, is ``megamoe_cli.baseline_fp8`` (backends ``torch``, ``torch-graph``).
+against, is ``megamoe_cli.baselines.torch_fp8`` (backends ``torch``, ``torch-graph``).
 
 One call (``runner()``) runs, as separate kernels with host round trips:
 
@@ -48,16 +48,16 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .errors import MegaMoEError
-from .problem import Problem
-from .quant import (
+from ..errors import MegaMoEError
+from ..problem import Problem
+from ..reference.quant import (
     BLOCK,
     FP8_DTYPE,
     dequantize_per_block,
     dequantize_per_token,
     quantize_per_token,
 )
-from .reference import (
+from ..reference.layer import (
     swiglu,
     all_to_all_rows,
     combine_slots,
@@ -135,7 +135,7 @@ def _probe_grouped_mm(w1: torch.Tensor) -> Optional[str]:
 
 class _TorchRunner:
     def __init__(self, problem: Problem, group, dtype: str, gemm: str, note: Optional[str]) -> None:
-        from .baseline_fp8 import fp8_weights_of
+        from .torch_fp8 import fp8_weights_of
 
         self.clamp = problem.shape.activation_clamp
         problem, weights_note = fp8_weights_of(problem)

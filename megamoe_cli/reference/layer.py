@@ -26,9 +26,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .errors import MegaMoEError
-from .layout import MoEShape
-from .problem import Problem
+from ..errors import MegaMoEError
+from ..layout import MoEShape
+from ..problem import Problem
 from .quant import BLOCK, FP8_DTYPE, dequantize_mxfp4, dequantize_per_block, dequantize_per_token, quantize_per_token
 
 # Rows of one expert expanded to FP64 at once (4096 x 7168 x 8 B = 235 MB).

@@ -8,7 +8,7 @@ expert GEMMs, SwiGLU with the clamp, combine): the same work, inputs and timed r
 every rank together, like ours.
 
 DeepGEMM ships its SM90 fused kernel for FP8 weights only; an MXFP4 problem runs on its weights
-converted once to FP8 blocks (``baseline_fp8.fp8_weights_of``), and its row says so.
+converted once to FP8 blocks (``torch_fp8.fp8_weights_of``), and its row says so.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Dict, Optional
 
 import torch
 
-from ..baseline_fp8 import fp8_weights_of
-from ..errors import MegaMoEError
+from ..torch_fp8 import fp8_weights_of
+from ...errors import MegaMoEError
 from ..graphs import GraphReplay
-from ..problem import Problem
-from ..quant import BLOCK
+from ...problem import Problem
+from ...reference.quant import BLOCK
 from . import DEEPGEMM, import_peer, version_of
 
 _BUFFERS: Dict[tuple, object] = {}

@@ -11,7 +11,7 @@ The pipeline is the one SGLang's ``fused_experts`` runs for block-scaled FP8 wei
    channels itself, as SGLang does with the hidden states it is given;
 3. SiLU-and-mul: ``act_and_mul_triton``, after a torch clamp when the layer has one;
 4. L2: ``invoke_fused_moe_kernel`` with the routing weight applied to its output rows;
-5. reduce: the FP32 sum of each token's valid slots (``baseline_triton.combine``, so slots with
+5. reduce: the FP32 sum of each token's valid slots (``triton_fp8.combine``, so slots with
    no expert count for nothing).
 
 The launch config is SGLang's: ``try_get_optimal_moe_config``, which reads the tuned file SGLang
@@ -34,12 +34,12 @@ from typing import Dict, Optional
 
 import torch
 
-from ..baseline_fp8 import fp8_weights_of
-from ..errors import MegaMoEError
+from ..torch_fp8 import fp8_weights_of
+from ...errors import MegaMoEError
 from ..graphs import GraphReplay, capture
-from ..problem import Problem
-from ..quant import BLOCK, dequantize_per_token
-from ..reference import resolve_group
+from ...problem import Problem
+from ...reference.quant import BLOCK, dequantize_per_token
+from ...reference.layer import resolve_group
 from . import SGLANG, import_peer, version_of
 from .align import align_block_size
 
@@ -50,17 +50,17 @@ _PACKAGES = ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.moe
 
 
 def _group_quant_fp8(x: torch.Tensor, group: int, *args, **kwargs):
-    """FP8 e4m3 per token per ``group`` channels in one Triton kernel (``baseline_triton.quantize``):
+    """FP8 e4m3 per token per ``group`` channels in one Triton kernel (``triton_fp8.quantize``):
     what SGLang's CUDA ``sgl_per_token_group_quant_fp8`` computes."""
-    from .. import baseline_triton
-    from ..quant import FP8_DTYPE
+    from .. import triton_fp8
+    from ...reference.quant import FP8_DTYPE
 
     if group != BLOCK:
         raise MegaMoEError(f"SGLang's kernels asked for groups of {group} channels; this pipeline quantizes by {BLOCK}")
     rows = x.reshape(-1, x.shape[-1])
     q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
     sf = torch.empty(rows.shape[0], rows.shape[1] // group, dtype=torch.float32, device=x.device)
-    baseline_triton.quantize(rows, q, sf, group)
+    triton_fp8.quantize(rows, q, sf, group)
     return q.view(x.shape), sf.view(*x.shape[:-1], -1)
 
 
@@ -181,9 +181,9 @@ class _SGLangRunner(GraphReplay):
         slot = torch.arange(T * K, device=dev).view(T, K)
         self.pos = torch.where(self.topk_ids >= 0, slot, -1).to(torch.int64)
         self.y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-        from .. import baseline_triton
+        from .. import triton_fp8
 
-        self.combine = baseline_triton.combine
+        self.combine = triton_fp8.combine
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.config["align_us"] = round(self._time_align(), 1)
 

@@ -81,7 +81,7 @@ def import_peer(peer: Peer, backend: str):
     """The peer's package, imported; a failure is a ``MegaMoEError`` naming the extra."""
     import importlib
 
-    from ..errors import MegaMoEError
+    from ...errors import MegaMoEError
 
     try:
         return importlib.import_module(peer.module)

@@ -22,7 +22,7 @@ FP32 L1 output, the activation requantized per token per 128 channels, BF16 L2 r
 
 GEMMs (config key ``gemm``):
 
-* ``triton`` (default on CUDA): ``baseline_triton``'s block-scaled FP8 grouped GEMMs; L1's
+* ``triton`` (default on CUDA): ``triton_fp8``'s block-scaled FP8 grouped GEMMs; L1's
   epilogue does SwiGLU and the requantization, L2 writes the combine rows;
 * ``scaled_grouped_mm``: ``torch._scaled_grouped_mm``, one call per layer GEMM.  On Hopper it
   takes row-wise scales only, so this candidate runs a row-wise FP8 recipe instead: weights
@@ -51,7 +51,7 @@ there was none (``config_note``).  ``prepare`` compiles and loads both GEMMs for
 the GPU cannot run (shared memory, registers, a failed compile) is refused there, in one line.
 
 ``triton`` runs on CPU tensors too under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-``megamoe_cli.baseline_triton`` is imported), which is how the CPU tests check the kernels.
+``megamoe_cli.baselines.triton_fp8`` is imported), which is how the CPU tests check the kernels.
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import tuned
-from .errors import MegaMoEError
+from ..kernel import tuned
+from ..errors import MegaMoEError
 from .graphs import GraphReplay
-from .kernel_source import MAX_SMEM_BYTES  # sm_90's opt-in shared memory per block
-from .problem import Problem
-from .quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
-from .reference import resolve_group, swiglu
-from .weight_layout import mxfp4_as_fp8_blocks
+from ..kernel.kernel_source import MAX_SMEM_BYTES  # sm_90's opt-in shared memory per block
+from ..problem import Problem
+from ..reference.quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
+from ..reference.layer import resolve_group, swiglu
+from ..kernel.weight_layout import mxfp4_as_fp8_blocks
 
 GEMMS = ("triton", "scaled_grouped_mm", "scaled_mm", "dequant")
 # GEMMs whose call reads nothing on the host, so the layer can be captured into a CUDA graph.
@@ -247,12 +247,12 @@ def _gpu_name(device: torch.device) -> Optional[str]:
 
 
 def _triton_kernels():
-    """``baseline_triton`` if its kernels can run here, else the reason they cannot."""
+    """``triton_fp8`` if its kernels can run here, else the reason they cannot."""
     try:
-        from . import baseline_triton
+        from . import triton_fp8
     except ImportError as exc:
         return None, f"triton is not importable ({exc})"
-    return baseline_triton, None
+    return triton_fp8, None
 
 
 def _probe_scaled_grouped_mm(device: torch.device) -> Optional[str]:
@@ -669,7 +669,7 @@ class TorchFP8Backend:
         kernels, why_not = _triton_kernels()
         if why_not is None and device.type != "cuda" and not kernels.INTERPRETED:
             why_not = ("its kernels run on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1 "
-                       "set before megamoe_cli.baseline_triton is imported)")
+                       "set before megamoe_cli.baselines.triton_fp8 is imported)")
         if gemm == "auto":
             if device.type != "cuda":
                 return "dequant", None

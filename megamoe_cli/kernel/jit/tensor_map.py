@@ -12,7 +12,7 @@ from typing import Dict, Sequence, Tuple
 
 from cuda.bindings import driver as cu
 
-from ..errors import MegaMoEError
+from ...errors import MegaMoEError
 from . import driver
 
 TENSOR_MAP_BYTES = 128

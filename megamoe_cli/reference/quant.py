@@ -17,7 +17,7 @@ from typing import Tuple
 
 import torch
 
-from .errors import MegaMoEError
+from ..errors import MegaMoEError
 
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn

@@ -16,8 +16,8 @@ from typing import Dict, Mapping, Sequence, Tuple
 
 from . import contract
 from .contract import BLOCK_N, MAX_RANKS, MAX_TOPK, check_block_m
-from .errors import MegaMoEError
-from .layout import SEGMENT_NAMES, BufferConfig, BufferLayout, MoEShape
+from ..errors import MegaMoEError
+from ..layout import SEGMENT_NAMES, BufferConfig, BufferLayout, MoEShape
 
 SUPPORTED_BLOCK_M = contract.SUPPORTED_BLOCK_M
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block
@@ -61,13 +61,17 @@ TAIL_FIELDS: Tuple[str, ...] = (
 )
 
 
-def csrc_dir() -> Path:
-    """Directory holding ``megamoe/*.cuh`` (source tree or installed package data)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "csrc", here / "csrc"):
+# megamoe_cli/, two levels above this file (megamoe_cli/kernel/kernel_source.py).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def csrc_dir(package: Path = PACKAGE_DIR) -> Path:
+    """Directory holding ``megamoe/*.cuh``: ``csrc/`` beside the package in the source tree, or
+    ``megamoe_cli/csrc`` where a wheel installs it."""
+    for candidate in (package.parent / "csrc", package / "csrc"):
         if (candidate / "megamoe" / "kernel.cuh").is_file():
             return candidate
-    raise MegaMoEError(f"kernel sources not found next to {here} (expected csrc/megamoe/kernel.cuh)")
+    raise MegaMoEError(f"kernel sources not found next to {package} (expected csrc/megamoe/kernel.cuh)")
 
 
 @dataclass(frozen=True)
