@@ -21,21 +21,27 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Dict, Optional, Protocol
 
 import torch
 
 from .errors import MegaMoEError
 
-if TYPE_CHECKING:
-    from .module import MegaMoE
 
-_LAYERS: Dict[int, "weakref.ReferenceType[MegaMoE]"] = {}
+class Layer(Protocol):
+    """What the op calls on a registered layer (``module.MegaMoE``, which imports this module to
+    register itself, so the op names only the one method it calls)."""
+
+    def run(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            num_tokens_bound: Optional[int] = None) -> torch.Tensor: ...
+
+
+_LAYERS: Dict[int, "weakref.ReferenceType[Layer]"] = {}
 _NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
 
 
-def register_layer(layer: "MegaMoE") -> int:
+def register_layer(layer: Layer) -> int:
     """A handle for ``layer``, valid while it lives (a dropped layer's handle is never reused)."""
     with _LOCK:
         handle = next(_NEXT_HANDLE)
@@ -43,7 +49,7 @@ def register_layer(layer: "MegaMoE") -> int:
     return handle
 
 
-def layer_of(handle: int) -> "MegaMoE":
+def layer_of(handle: int) -> Layer:
     """The live layer ``handle`` names; a ``MegaMoEError`` for one that is gone or never was."""
     ref = _LAYERS.get(handle)
     layer = ref() if ref is not None else None

@@ -126,14 +126,14 @@ def aligned(t):
 
 
 def test_the_kernel_copies_from_the_given_addresses():
-    from megamoe_cli.fused.inputs import input_addresses
+    from megamoe_cli.fused.buffer import input_addresses
 
     buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=3))
     assert input_addresses(buf, given) == tuple(t.data_ptr() for t in given)
 
 
 def test_the_buffers_own_views_are_not_copied_onto_themselves():
-    from megamoe_cli.fused.inputs import input_addresses
+    from megamoe_cli.fused.buffer import input_addresses
 
     buf = fake_buffer()
     own = (buf.x[:5], buf.x_sf[:5], buf.topk_idx[:5], buf.topk_weights[:5])
@@ -141,7 +141,7 @@ def test_the_buffers_own_views_are_not_copied_onto_themselves():
 
 
 def test_an_input_elsewhere_inside_the_buffer_is_refused():
-    from megamoe_cli.fused.inputs import input_addresses
+    from megamoe_cli.fused.buffer import input_addresses
 
     buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=4))
     with pytest.raises(MegaMoEError, match="x_sf lies inside the symmetric buffer"):
@@ -151,7 +151,7 @@ def test_an_input_elsewhere_inside_the_buffer_is_refused():
 
 
 def test_an_unaligned_input_is_left_to_the_host_copy():
-    from megamoe_cli.fused.inputs import input_addresses
+    from megamoe_cli.fused.buffer import input_addresses
 
     buf, given = fake_buffer(), tuple(aligned(t) for t in inputs(5, seed=5))
     backing = torch.empty(given[3].numel() + 4, dtype=torch.float32)

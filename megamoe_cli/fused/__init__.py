@@ -32,8 +32,8 @@ from ..errors import MegaMoEError, MegaMoETimeout
 from ..formats import WeightFormat
 from ..kernel.kernel_source import ENV_EXPERIMENT, KernelConfig, experiment_defines
 from ..layout import BufferConfig, MoEShape
-from .buffer import SymmBuffer
-from .inputs import INPUT_NAMES, NO_INPUTS, check_inputs, check_tensor, copy_checked, input_addresses
+from .buffer import SymmBuffer, input_addresses
+from .inputs import INPUT_NAMES, NO_INPUTS, check_inputs, check_tensor, copy_checked
 from .launch import ENV_TIMEOUT, build_plan, current_stream
 from .weights import ExpertWeights, transform_weights_for_mega_moe
 

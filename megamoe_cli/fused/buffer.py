@@ -4,7 +4,7 @@ mapped into every peer (torch symmetric memory, or CUDA IPC when ranks share a G
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,10 +14,7 @@ from ..errors import MegaMoEError
 from ..kernel.kernel_source import KernelConfig
 from ..layout import BufferConfig, BufferLayout, MoEShape, build_layout, workspace_bytes
 from .diagnostics import describe_failure
-from .inputs import copy_inputs
-
-if TYPE_CHECKING:
-    from .launch import LaunchPlan
+from .inputs import INPUT_NAMES, NO_INPUTS, copy_inputs
 
 _TORCH_DTYPES = {
     "u64": torch.int64,
@@ -200,7 +197,9 @@ class SymmBuffer:
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             dist.barrier(group=group)
-        self.plans: Dict[tuple, "LaunchPlan"] = {}
+        # mega_moe's launch plans (fused.launch.LaunchPlan, which reads this buffer), kept for the
+        # buffer's life; the buffer itself never reads them.
+        self.plans: Dict[tuple, object] = {}
         # mega_moe's config choice per num_tokens_bound (None: the capacity), and per token
         # bucket with where it came from ("tuned" or "default"): fused.call_config
         self.gpu_name = torch.cuda.get_device_name(self.device)
@@ -266,3 +265,23 @@ class SymmBuffer:
         """The kernel's failure record, if a launch on this buffer failed (readable after a trap)."""
         return describe_failure(self.diag.numpy().tobytes())
 
+
+def input_addresses(buf: SymmBuffer, given: Sequence[torch.Tensor]) -> Optional[Tuple[int, int, int, int]]:
+    """What the kernel copies from: the four inputs' addresses; zeros when they are the buffer's
+    own views already (nothing to copy); None when one is not 16-byte aligned (the caller copies
+    them instead).  An input elsewhere inside the symmetric buffer is refused: the kernel's copy
+    would overwrite rows it is still reading."""
+    x, x_sf, topk_idx, topk_weights = given
+    addresses = (x.data_ptr(), x_sf.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr())
+    if addresses == buf.input_ptrs:
+        return NO_INPUTS
+    lo, hi = buf.span
+    for name, t, a in zip(INPUT_NAMES, given, addresses):
+        if a < hi and a + t.nbytes > lo and t.nbytes:
+            raise MegaMoEError(
+                f"mega_moe: {name} lies inside the symmetric buffer; pass the buffer's own views (buf.x[:n], ...) "
+                "all four, or tensors outside it"
+            )
+    if any(a % 16 for a in addresses):
+        return None
+    return addresses

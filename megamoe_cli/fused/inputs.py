@@ -3,15 +3,12 @@ copied or launched, and the copies into the symmetric buffer's views."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 
 from ..errors import MegaMoEError
 from ..layout import BufferConfig
-
-if TYPE_CHECKING:
-    from .buffer import SymmBuffer
 
 
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> None:
@@ -85,24 +82,3 @@ _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 # (one H200, ten fills back to back: 8192 tokens x 7168 bytes 65 us vs 41 us for four copy_; up to
 # 1024 tokens 25 us vs 41 us, host-bound).
 _FOREACH_MAX_BYTES = 16 << 20
-
-
-def input_addresses(buf: SymmBuffer, given: Sequence[torch.Tensor]) -> Optional[Tuple[int, int, int, int]]:
-    """What the kernel copies from: the four inputs' addresses; zeros when they are the buffer's
-    own views already (nothing to copy); None when one is not 16-byte aligned (the caller copies
-    them instead).  An input elsewhere inside the symmetric buffer is refused: the kernel's copy
-    would overwrite rows it is still reading."""
-    x, x_sf, topk_idx, topk_weights = given
-    addresses = (x.data_ptr(), x_sf.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr())
-    if addresses == buf.input_ptrs:
-        return NO_INPUTS
-    lo, hi = buf.span
-    for name, t, a in zip(INPUT_NAMES, given, addresses):
-        if a < hi and a + t.nbytes > lo and t.nbytes:
-            raise MegaMoEError(
-                f"mega_moe: {name} lies inside the symmetric buffer; pass the buffer's own views (buf.x[:n], ...) "
-                "all four, or tensors outside it"
-            )
-    if any(a % 16 for a in addresses):
-        return None
-    return addresses
