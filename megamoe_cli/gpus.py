@@ -37,18 +37,3 @@ def gpu_spec(name: str) -> GpuSpec:
     if key in GPUS:
         return GPUS[key]
     raise MegaMoEError(f"unknown GPU {name!r}; expected one of {', '.join(sorted(GPUS))}")
-
-
-def rank_placement(local_rank: int, local_world_size: int, num_gpus: int) -> tuple:
-    """(GPU index, process-group backend) of one local rank.
-
-    One rank per GPU is the deployment (NCCL).  More ranks than GPUs is a test setup: rank r
-    takes GPU r % num_gpus and the group is gloo, since NCCL refuses two ranks on one GPU
-    (the ranks sharing a GPU are separate CUDA contexts that the GPU time-slices, and
-    ``SymmBuffer`` maps their buffers through CUDA IPC: correct results, meaningless times).
-    """
-    if num_gpus < 1:
-        raise MegaMoEError(f"rank placement: expected at least one GPU, got {num_gpus}")
-    if not 0 <= local_rank < local_world_size:
-        raise MegaMoEError(f"rank placement: local rank {local_rank} outside [0, {local_world_size})")
-    return local_rank % num_gpus, ("gloo" if local_world_size > num_gpus else "nccl")

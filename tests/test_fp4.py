@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from helpers import mxfp4_from_fp8
 
 from megamoe_cli.kernel import weight_layout as wl
 from megamoe_cli.errors import MegaMoEError
@@ -21,7 +22,6 @@ from megamoe_cli.reference.quant import (
     dequantize_mxfp4,
     e2m1_codes,
     e2m1_values,
-    mxfp4_from_fp8,
     quantize_mxfp4,
     quantize_per_block,
 )

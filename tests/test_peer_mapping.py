@@ -5,12 +5,12 @@ the host logic without a GPU."""
 
 import pytest
 import torch
+from helpers import rank_placement
 
 from megamoe_cli import fused
 from megamoe_cli.reference import layer as reference
 from megamoe_cli.fused import buffer as fused_buffer
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.gpus import rank_placement
 from megamoe_cli.kernel.jit import driver
 
 

@@ -301,7 +301,7 @@ def test_deepgemm_glue_matches_the_reference(monkeypatch, layout, tokens, routin
     from megamoe_cli.layout import MoEShape
     from megamoe_cli.problem import make_problem
     from megamoe_cli.reference.layer import moe_reference_distributed
-    from megamoe_cli.reference.tolerance import check_output
+    from helpers import check_output
 
     shape = MoEShape(hidden=256, intermediate=256, num_experts=8, num_topk=2)
     problem = make_problem(shape, 0, 1, tokens, tokens, "cpu", 3, routing=routing)

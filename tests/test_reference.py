@@ -291,7 +291,7 @@ def test_distributed_scenarios_cover_the_edge_cases():
 
 
 def _layer_error_worker(rank, world_size):
-    from megamoe_cli.reference.layer import layer_relative_error
+    from helpers import layer_relative_error
 
     # rank r: a reference of norm 1 (two tokens on rank 1), y off by 0.125 * (r + 1) in one entry
     tokens = 2 if rank == 1 else 1
@@ -316,7 +316,7 @@ def test_layer_relative_error_pools_the_ranks(tmp_path):
 
 
 def test_layer_relative_error_in_one_process_and_its_edge_cases():
-    from megamoe_cli.reference.layer import layer_relative_error
+    from helpers import layer_relative_error
 
     ref = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
     assert layer_relative_error(ref.clone(), ref) == (0.0, 0.0)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megamoe_cli.layout import MoEShape
-from megamoe_cli.reference.tolerance import check_output, error_bound, scale_bound
+from helpers import check_output
+from megamoe_cli.reference.tolerance import error_bound, scale_bound
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tolerance_model.py"
 spec = importlib.util.spec_from_file_location("tolerance_model", SCRIPT)

@@ -404,16 +404,3 @@ def pooled_relative_error(per_rank: Sequence[Tuple[float, float]]) -> Tuple[floa
     per_rank = [(float(d), float(n)) for d, n in per_rank]
     layer = ratio(sum(d for d, _ in per_rank), sum(n for _, n in per_rank))
     return layer, max((ratio(d, n) for d, n in per_rank), default=0.0)
-
-
-def layer_relative_error(y: torch.Tensor, y_ref: torch.Tensor, group=None) -> Tuple[float, float]:
-    """:func:`pooled_relative_error` over ``group``'s ranks (None: one process), identical on every rank."""
-    import torch.distributed as dist
-
-    mine = squared_error(y, y_ref)
-    if group is None or dist.get_world_size(group) == 1:
-        return pooled_relative_error([mine])
-    staged = _host_staged(torch.tensor([mine], dtype=torch.float64, device=y.device), group)
-    gathered = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, staged, group=group)
-    return pooled_relative_error(torch.cat(gathered).tolist())

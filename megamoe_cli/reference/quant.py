@@ -232,8 +232,3 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     v = e2m1_values(unpack_e2m1(packed)).reshape(*lead, n, k // MX_BLOCK, MX_BLOCK)
     s = scales.to(torch.int32).unsqueeze(-1) - UE8M0_BIAS
     return torch.ldexp(v, s).reshape(*lead, n, k).to(dtype)
-
-
-def mxfp4_from_fp8(q: torch.Tensor, sf: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FP8 weights with their 128x128 block scales -> MXFP4 (dequantized in FP32, then quantized)."""
-    return quantize_mxfp4(dequantize_per_block(q, sf))

@@ -1,5 +1,6 @@
-"""How far a correct layer may be from the quantization-aware reference, and the check the GPU
-tests apply to every output they compare.
+"""How far a correct layer may be from the quantization-aware reference: the rule the GPU tests
+apply to every output they compare (``summarize`` one rank, ``judge`` all of them; the tests' helpers
+gather the ranks' summaries).
 
 A correct layer differs from the reference (FP64 GEMMs, each FP32 quantity rounded once) only by
 rounding: its tensor cores sum each 128-K block of FP8 products at reduced precision before the
@@ -100,7 +101,7 @@ def scale_bound(num_activations: int, hidden: int) -> float:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What :func:`check_output` found, identical on every rank."""
+    """What :func:`judge` found from every rank's summary, identical on every rank."""
 
     layer: float
     layer_bound: float
@@ -133,7 +134,7 @@ def summarize(y: torch.Tensor, y_ref: torch.Tensor, topk_idx: torch.Tensor, inte
     non-finite values of ``y``, tokens, and the worst token's (|error along its row|, bound,
     index) by the direction check."""
     if tuple(y.shape) != tuple(y_ref.shape) or y.shape[0] != topk_idx.shape[0]:
-        raise MegaMoEError(f"check_output: y has shape {tuple(y.shape)}, the reference {tuple(y_ref.shape)}, "
+        raise MegaMoEError(f"tolerance: y has shape {tuple(y.shape)}, the reference {tuple(y_ref.shape)}, "
                            f"topk_idx {tuple(topk_idx.shape)}; expected the same number of tokens")
     ref = y_ref.double()
     diff = (y.double() - ref).pow(2).sum(1)
@@ -195,39 +196,3 @@ def judge(summaries: List[List[float]]) -> Verdict:
     scaled = max(summaries, key=lambda v: v[9] / v[10])
     return Verdict(layer, layer_bound, rank_err, rank_bound, rank_index, s[3], s[4], tok, int(s[5]), failures,
                    scaled[9], scaled[10])
-
-
-def check_output(y: torch.Tensor, y_ref: torch.Tensor, topk_idx: torch.Tensor, intermediate: int,
-                 group=None) -> Verdict:
-    """Judge this rank's ``y`` against ``y_ref`` (``topk_idx``: its routing, for the activations
-    behind each token) with every other rank of ``group`` (collective; None: one process).  The
-    verdict is the same on every rank, so all of them pass or fail together."""
-    import torch.distributed as dist
-
-    mine = summarize(y, y_ref, topk_idx, intermediate)
-    if group is None or dist.get_world_size(group) == 1:
-        return judge([mine])
-    device = "cpu" if dist.get_backend(group) == "gloo" else y.device
-    staged = torch.tensor(mine, dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, staged, group=group)
-    return judge([g.tolist() for g in gathered])
-
-
-def assert_output_ok(y: torch.Tensor, y_ref: torch.Tensor, topk_idx: torch.Tensor, intermediate: int,
-                     group=None, what: str = "output") -> Verdict:
-    """:func:`check_output`, raising ``AssertionError`` naming every failure; returns the verdict."""
-    verdict = check_output(y, y_ref, topk_idx, intermediate, group)
-    if not verdict.ok:
-        raise AssertionError(f"{what}: " + "; ".join(verdict.failures) + f" [{verdict.describe()}]")
-    return verdict
-
-
-def checksum(y: torch.Tensor) -> torch.Tensor:
-    """A cheap fingerprint of ``y`` on its device (FP64 sums of the values and of the values
-    weighted by their position), for comparing a call's output with a known one without a copy."""
-    flat = y.reshape(-1).double()
-    if flat.numel() == 0:
-        return torch.zeros(2, dtype=torch.float64, device=y.device)
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=y.device).remainder_(8191).add_(1)
-    return torch.stack([flat.sum(), (flat * weights).sum()])

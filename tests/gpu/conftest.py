@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megamoe_cli.gpus import rank_placement
+from helpers import rank_placement
 
 pytestmark = pytest.mark.gpu
 

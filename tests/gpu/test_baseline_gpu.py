@@ -17,7 +17,7 @@ from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
 from megamoe_cli.reference.layer import moe_reference_distributed
-from megamoe_cli.reference.tolerance import assert_output_ok, check_output
+from helpers import assert_output_ok, check_output
 
 pytestmark = pytest.mark.gpu
 

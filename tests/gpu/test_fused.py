@@ -12,7 +12,7 @@ from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem, make_routing
 from megamoe_cli.reference.quant import quantize_per_token
 from megamoe_cli.reference.layer import moe_reference_distributed
-from megamoe_cli.reference.tolerance import assert_output_ok
+from helpers import assert_output_ok
 
 
 pytestmark = pytest.mark.gpu

@@ -26,7 +26,8 @@ from megamoe_cli.fused import ExpertWeights, FusedBackend, SymmBuffer, mega_moe,
 from megamoe_cli.kernel.kernel_source import KernelConfig
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_expert_weights, make_problem
-from megamoe_cli.reference.layer import layer_relative_error, moe_reference_distributed
+from helpers import layer_relative_error
+from megamoe_cli.reference.layer import moe_reference_distributed
 
 pytestmark = pytest.mark.gpu
 

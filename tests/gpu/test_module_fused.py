@@ -4,7 +4,7 @@ reference on the host; the module's very first forward captured into a CUDA grap
 config chosen per ``num_tokens_bound``; a model compiled with ``fullgraph=True`` through
 ``torch.ops.megamoe.mega_moe`` against eager; two layers sharing one buffer; the example.  At
 world size 1 and under torchrun (every rank loads its own experts).  Every output is judged by
-``tolerance.assert_output_ok`` (the same verdict on every rank)."""
+``helpers.assert_output_ok`` (the same verdict on every rank)."""
 
 import os
 import subprocess
@@ -18,7 +18,7 @@ from megamoe_cli import fused
 from megamoe_cli.module import MegaMoE
 from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block, quantize_per_token
 from megamoe_cli.reference.layer import moe_reference
-from megamoe_cli.reference.tolerance import assert_output_ok, check_output
+from helpers import assert_output_ok, check_output
 
 pytestmark = pytest.mark.gpu
 

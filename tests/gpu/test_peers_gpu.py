@@ -17,7 +17,7 @@ from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.baselines.peers import unavailable
 from megamoe_cli.problem import make_problem
 from megamoe_cli.reference.layer import moe_reference_distributed
-from megamoe_cli.reference.tolerance import check_output
+from helpers import check_output
 
 pytestmark = pytest.mark.gpu
 

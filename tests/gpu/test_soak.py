@@ -2,7 +2,7 @@
 from call to call, eager launches mixed with CUDA-graph replays; every call checked.
 
 Each problem's first call is judged against the reference (computed once per problem, the rule
-of megamoe_cli.reference.tolerance) and its output fingerprinted (``tolerance.checksum``: FP64 sums of the
+of megamoe_cli.reference.tolerance) and its output fingerprinted (``helpers.checksum``: FP64 sums of the
 values and of the position-weighted values, on the GPU).  Every later call has its ``y`` filled
 with NaN first, so a row it leaves unwritten shows, and its fingerprint compared on the GPU with
 the first call's: a mismatch is recorded per call without a host sync, and the record is read
@@ -25,7 +25,7 @@ from megamoe_cli.fused import FusedBackend, mega_moe, synchronize
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_problem
 from megamoe_cli.reference.layer import moe_reference_distributed
-from megamoe_cli.reference.tolerance import assert_output_ok, checksum
+from helpers import assert_output_ok, checksum
 
 pytestmark = [pytest.mark.gpu, pytest.mark.soak]
 
