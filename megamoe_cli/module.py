@@ -35,7 +35,7 @@ rank's experts are kept).  Global expert ``e`` lives on rank ``e // (num_experts
 
 On a CUDA device the forward is the fused kernel (``fused.mega_moe``), with the kernel config
 chosen per ``num_tokens_bound`` from the tuned store; on the CPU it is the quantization-aware
-reference (``reference.py``), on one process or over a gloo group, so the same module runs in CPU
+reference (``reference.layer``), on one process or over a gloo group, so the same module runs in CPU
 tests.  Traced (``torch.compile(fullgraph=True)``, fake tensors) the forward is the registered op
 ``torch.ops.megamoe.mega_moe`` (``op.py``); eager calls run the same body without the dispatcher.
 Which calls are collective, and why the first forward can be captured into a CUDA graph: the

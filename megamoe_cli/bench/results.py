@@ -18,7 +18,7 @@ One row per (run, point).  Columns whose meaning is not in their name:
   term that sets it); ``floor_fraction = floor_us / time_us_median``, 1.0 is
   the roofline.  Empty on CPU.
 - ``rel_err_layer``: ``||y - y_ref|| / ||y_ref||`` of the whole layer against the
-  distributed reference, every rank's rows pooled (``reference.pooled_relative_error``):
+  distributed reference, every rank's rows pooled (``reference.layer.pooled_relative_error``):
   what the GPU tests and ``megamoe tune`` judge; empty when the point ran without
   ``check``, and in rows written before the column existed.
 - ``rel_err``: the same ratio on the worst rank alone.  A rank holding a token or two

@@ -16,8 +16,8 @@ with more, that skew is paid once per sample and the result approaches the stead
 decode step replayed from one CUDA graph (many MoE layers back to back, no host barrier between
 them).
 
-The check: the distributed reference output (``reference.moe_reference_distributed``, collective)
-is computed once per problem; each output is compared with it as ``reference.squared_error``
+The check: the distributed reference output (``reference.layer.moe_reference_distributed``, collective)
+is computed once per problem; each output is compared with it as ``reference.layer.squared_error``
 (this rank's share of the layer's pooled error).
 
 Imports: none of ``megamoe_cli.bench`` (torch, ``problem`` and ``reference`` inside the functions

@@ -23,7 +23,7 @@ The run (``run_tune``):
    Every rank all-gathers the medians and takes their maximum (the slowest rank is the layer's
    time), so all ranks see the same numbers and pick the same winner: the fastest, ties to the
    default, then to the smaller (block_m, num_stages, cluster_m), then to more SMs.  The last
-   output is compared once with ``reference.moe_reference_distributed``; a candidate whose layer
+   output is compared once with ``reference.layer.moe_reference_distributed``; a candidate whose layer
    (every rank's rows pooled) is at a relative L2 error of ``REL_ERR_LIMIT`` or more is excluded as
    wrong.  Pooled, as the GPU tests judge: a rank holding a token or two scatters past the limit by
    rounding alone now and then (``scripts/tolerance_model.py``); the worst rank's error is reported.
@@ -607,7 +607,7 @@ def exclude_unbuilt(plans: Sequence[PointPlan], reasons: Mapping[Variant, str]) 
 def combine_ranks(candidate: Candidate, per_rank: Sequence[Mapping[str, Any]],
                   rel_err_limit: float = REL_ERR_LIMIT) -> CandidateResult:
     """One candidate's result from every rank's ``{"error", "median_us", "diff_sq", "ref_sq"}``
-    (``reference.squared_error`` of its output): the slowest rank's median is its time; the layer's
+    (``reference.layer.squared_error`` of its output): the slowest rank's median is its time; the layer's
     error, every rank's pooled, decides whether it is right."""
     from ..reference.layer import pooled_relative_error
 
@@ -651,7 +651,7 @@ def measure_candidates(
     """Time ``candidates`` in the same order on every rank; every rank returns the same results.
 
     ``prepare(candidate)`` makes a runner (collective); ``measure(runner)`` returns this rank's
-    ``(median_us, diff_sq, ref_sq)`` (``reference.squared_error`` of its output);
+    ``(median_us, diff_sq, ref_sq)`` (``reference.layer.squared_error`` of its output);
     ``gather(value)`` is an all-gather over the ranks.  After each step
     the ranks agree: a candidate that failed to prepare or run on any rank is excluded on all,
     with every rank's error.  A ``MegaMoEError`` is a refusal before the kernel ran (excluded);
@@ -727,7 +727,7 @@ class CandidateTimer:
         return runner
 
     def measure(self, runner) -> Tuple[float, float, float]:
-        """(this rank's median us, ``reference.squared_error`` of the last output); one call per sample."""
+        """(this rank's median us, ``reference.layer.squared_error`` of the last output); one call per sample."""
         try:
             timed = self.session.time(runner, self.point, calls_per_sample=1)
         except MegaMoEError:
