@@ -87,8 +87,8 @@ def build(device: torch.device, group=None, *, hidden=512, intermediate=256, num
 
 def expected(block: MoEBlock, all_weights, x: torch.Tensor) -> torch.Tensor:
     """The same block written with plain PyTorch and the reference for the routed experts."""
-    from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block
     from megamoe_cli.reference.layer import moe_reference
+    from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block
 
     s = block.experts.shape
     quantize = quantize_mxfp4 if s.weights == "fp4" else quantize_per_block

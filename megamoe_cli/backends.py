@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, Tuple
 
-from .errors import MegaMoEError
 from .baselines.peers import PEER_OF
+from .errors import MegaMoEError
 
 # name -> (module, class, constructor keyword arguments)
 _REGISTRY: Dict[str, Tuple[str, str, Dict[str, Any]]] = {

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
-from .kernel.contract import BLOCK_N, GRID_SYNC_WORDS, SUPPORTED_BLOCK_M, GridSyncWord, check_block_m
 from .errors import MegaMoEError
 from .formats import WEIGHT_FORMATS, WeightFormat
+from .kernel.contract import BLOCK_N, GRID_SYNC_WORDS, SUPPORTED_BLOCK_M, GridSyncWord, check_block_m
 
 SEGMENT_ALIGN_BYTES = 1024
 SCALE_BLOCK = 128

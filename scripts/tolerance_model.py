@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamoe_cli.layout import PRESETS, MoEShape  # noqa: E402
 from megamoe_cli.problem import make_expert_weights, make_routing  # noqa: E402
-from megamoe_cli.reference.quant import BLOCK, dequantize_per_block, quantize_per_token  # noqa: E402
 from megamoe_cli.reference.layer import _expert_rows, combine_slots, squared_error  # noqa: E402
+from megamoe_cli.reference.quant import BLOCK, dequantize_per_block, quantize_per_token  # noqa: E402
 
 # The GPU tests' small shape (tests/gpu/test_fused.py), which differs from the "small" preset.
 GPU_TEST_SMALL = MoEShape(hidden=512, intermediate=256, num_experts=16, num_topk=4)

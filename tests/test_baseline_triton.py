@@ -8,6 +8,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from megamoe_cli.reference.layer import combine_slots  # noqa: E402
 from megamoe_cli.reference.quant import (  # noqa: E402
     FP8_DTYPE,
     dequantize_per_block,
@@ -15,7 +16,6 @@ from megamoe_cli.reference.quant import (  # noqa: E402
     quantize_per_block,
     quantize_per_token,
 )
-from megamoe_cli.reference.layer import combine_slots  # noqa: E402
 
 bt = triton_interpreter.kernels()
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megamoe_cli import fused
+from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.fused import launch
 from megamoe_cli.kernel import heuristics
 from megamoe_cli.kernel import tuned
 from megamoe_cli.kernel.contract import SUPPORTED_BLOCK_M
-from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.fused import launch
 from megamoe_cli.kernel.kernel_source import TAIL_FIELDS, TMAP_FIELDS, KernelConfig, variant_for
 from megamoe_cli.layout import PRESETS, BufferConfig, align, build_layout, ceil_div
 

@@ -831,8 +831,8 @@ def test_bench_run_that_stops_early_exits_2_after_showing_what_it_measured(monke
 
 
 def test_bench_tuned_config_flag_reaches_the_ranks_and_a_broken_one_is_named(fake_cpu_run, tmp_path, monkeypatch):
-    from megamoe_cli.kernel import tuned
     from megamoe_cli.bench import launcher
+    from megamoe_cli.kernel import tuned
 
     monkeypatch.delenv(tuned.ENV_VAR, raising=False)
     store = tmp_path / "mine.json"
@@ -1019,9 +1019,9 @@ def test_bench_exit_status_on_cpu_ranks_0_when_all_points_pass_3_when_one_fails(
 
 
 def test_tune_with_points_that_saved_nothing_exits_3(monkeypatch, tmp_path):
-    from megamoe_cli.kernel import tuned
     from megamoe_cli.bench import tune as library
     from megamoe_cli.cli import tune as command
+    from megamoe_cli.kernel import tuned
 
     monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "tuned.json"))
     monkeypatch.setattr(command, "_require_gpu", lambda: None)

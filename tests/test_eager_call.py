@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megamoe_cli import fused
-from megamoe_cli.fused import launch
 from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.fused import launch
 from megamoe_cli.kernel.kernel_source import KernelConfig
 from megamoe_cli.layout import BufferConfig, build_layout, preset
 

@@ -25,17 +25,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from megamoe_cli.kernel import contract
 from megamoe_cli import fused
-from megamoe_cli.kernel import tuned
-from megamoe_cli.fused import buffer as fused_buffer
-from megamoe_cli.fused import launch as fused_launch
 from megamoe_cli.bench import launcher
 from megamoe_cli.bench.launcher import run_bench, worker_pids
 from megamoe_cli.bench.results import append_rows, make_row, read_results
 from megamoe_cli.bench.sweep import load_sweep_text
 from megamoe_cli.cli import main
 from megamoe_cli.errors import MegaMoEError, MegaMoETimeout
+from megamoe_cli.fused import buffer as fused_buffer
+from megamoe_cli.fused import launch as fused_launch
+from megamoe_cli.kernel import contract
+from megamoe_cli.kernel import tuned
 from megamoe_cli.kernel.kernel_source import (
     MAX_SMEM_BYTES,
     TAIL_FIELDS,

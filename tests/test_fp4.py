@@ -10,12 +10,13 @@ import pytest
 import torch
 from helpers import mxfp4_from_fp8
 
-from megamoe_cli.kernel import weight_layout as wl
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.fused import transform_weights_for_mega_moe
+from megamoe_cli.kernel import weight_layout as wl
 from megamoe_cli.kernel.kernel_source import FP4_STAGE_BYTES, Variant, csrc_dir
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
+from megamoe_cli.reference.layer import moe_reference, moe_reference_distributed, moe_reference_loop
 from megamoe_cli.reference.quant import (
     E2M1_VALUES,
     check_mxfp4,
@@ -25,7 +26,6 @@ from megamoe_cli.reference.quant import (
     quantize_mxfp4,
     quantize_per_block,
 )
-from megamoe_cli.reference.layer import moe_reference, moe_reference_distributed, moe_reference_loop
 
 FP4_SOURCE = (csrc_dir() / "megamoe" / "fp4.cuh").read_text()
 CONSUMER_SOURCE = (csrc_dir() / "megamoe" / "consumer.cuh").read_text()

@@ -682,9 +682,9 @@ def test_a_variant_whose_wgmmas_ptxas_serialized_is_refused_before_loading(monke
     naming the note; a profiling build (extra counters) is still loaded."""
     from types import SimpleNamespace
 
-    from megamoe_cli.kernel import jit
     from megamoe_cli.errors import MegaMoEError
     from megamoe_cli.fused import launch
+    from megamoe_cli.kernel import jit
     from megamoe_cli.kernel.jit.build import PtxasReport
     from megamoe_cli.kernel.kernel_source import Variant
     from megamoe_cli.layout import PRESETS

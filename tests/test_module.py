@@ -11,8 +11,8 @@ import torch
 from gloo_ranks import run_gloo
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.module import MegaMoE, load_experts
-from megamoe_cli.reference.quant import quantize_per_block, quantize_per_token
 from megamoe_cli.reference.layer import moe_reference, moe_reference_loop
+from megamoe_cli.reference.quant import quantize_per_block, quantize_per_token
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, NUM_TOPK, LAYER = 256, 128, 4, 2, 3
 DIMS = dict(hidden=HIDDEN, intermediate=INTERMEDIATE, num_experts=NUM_EXPERTS, num_topk=NUM_TOPK)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megamoe_cli import fused
-from megamoe_cli.kernel import tuned
 from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.kernel import tuned
 from megamoe_cli.kernel.kernel_source import KernelConfig
 from megamoe_cli.layout import BufferConfig
 from megamoe_cli.module import MegaMoE

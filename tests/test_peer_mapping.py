@@ -8,10 +8,10 @@ import torch
 from helpers import rank_placement
 
 from megamoe_cli import fused
-from megamoe_cli.reference import layer as reference
-from megamoe_cli.fused import buffer as fused_buffer
 from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.fused import buffer as fused_buffer
 from megamoe_cli.kernel.jit import driver
+from megamoe_cli.reference import layer as reference
 
 
 @pytest.mark.parametrize("local_rank,local_world,gpus,expected", [

@@ -12,11 +12,11 @@ import textwrap
 import pytest
 import torch
 
-from megamoe_cli.baselines import peers
 from megamoe_cli.backends import BACKENDS, BASELINE_BACKENDS, PEER_BACKENDS
+from megamoe_cli.baselines import peers
+from megamoe_cli.baselines.peers import align, deepgemm, sglang
 from megamoe_cli.bench import compare, launcher, results, sweep
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.baselines.peers import align, deepgemm, sglang
 from megamoe_cli.reference.quant import FP8_DTYPE, dequantize_per_token, quantize_per_token
 
 

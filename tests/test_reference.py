@@ -10,8 +10,8 @@ from gloo_ranks import run_gloo
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.layout import MoEShape
 from megamoe_cli.problem import make_expert_weights, make_problem, make_routing
-from megamoe_cli.reference.quant import dequantize_per_block, dequantize_per_token
 from megamoe_cli.reference.layer import ReferenceBackend, moe_reference, moe_reference_distributed, moe_reference_loop
+from megamoe_cli.reference.quant import dequantize_per_block, dequantize_per_token
 
 SHAPE = MoEShape(hidden=256, intermediate=128, num_experts=8, num_topk=3)
 

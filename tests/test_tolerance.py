@@ -11,8 +11,8 @@ import torch
 
 from megamoe_cli.errors import MegaMoEError
 from megamoe_cli.problem import make_expert_weights, make_problem
-from megamoe_cli.reference.quant import dequantize_per_block, dequantize_per_token, quantize_per_token
 from megamoe_cli.reference.layer import _expert_rows, combine_slots, pooled_relative_error, squared_error
+from megamoe_cli.reference.quant import dequantize_per_block, dequantize_per_token, quantize_per_token
 from helpers import check_output, checksum
 from megamoe_cli.reference.tolerance import FLOOR, SCALE, error_bound, judge, summarize
 

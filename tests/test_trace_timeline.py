@@ -101,9 +101,9 @@ def test_read_trace_unpacks_what_the_kernel_packs_and_names_every_kind():
     import struct
     from types import SimpleNamespace
 
-    from megamoe_cli.kernel.contract import TraceKind
     from megamoe_cli.fused.diagnostics import TRACE_KINDS
     from megamoe_cli.fused.launch import Kernel
+    from megamoe_cli.kernel.contract import TraceKind
 
     assert TRACE_KINDS[TraceKind.TILE_END] == "tile_end" and TRACE_KINDS[TraceKind.CTA_START] == "cta_start"
 

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from megamoe_cli.kernel import heuristics, tuned
 from megamoe_cli.bench import tune as lib
 from megamoe_cli.bench.launcher import BenchEvent, BenchResult, run_bench
 from megamoe_cli.bench.sweep import load_sweep_text
@@ -32,6 +31,7 @@ from megamoe_cli.bench.tune import (
     CandidateResult,
 )
 from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.kernel import heuristics, tuned
 from megamoe_cli.kernel.jit import BuildError
 from megamoe_cli.kernel.kernel_source import Variant, kernel_build_source
 from megamoe_cli.layout import PRESETS
@@ -246,8 +246,8 @@ def test_build_failures_spills_and_serialized_wgmma_are_excluded_with_their_own_
 def test_prebuilt_sources_are_the_ones_the_fused_runner_loads(monkeypatch):
     import torch
 
-    from megamoe_cli.kernel import jit
     from megamoe_cli.fused import launch
+    from megamoe_cli.kernel import jit
 
     variant = Variant(DSV3, 2, 128, 64, 4)
     seen = []

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from megamoe_cli.baselines import torch_fp8 as baseline_fp8
-from megamoe_cli.kernel import tuned
 from megamoe_cli.baselines.torch_fp8 import MAX_SMEM_BYTES, TorchFP8Backend, default_launch_config
 from megamoe_cli.bench import tune as lib
 from megamoe_cli.bench import tune_baseline as tb
 from megamoe_cli.bench.tune import EXCLUDED, OK, CandidateResult
 from megamoe_cli.bench.tune_baseline import BaselineCandidate
 from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.kernel import tuned
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
 from megamoe_cli.reference.layer import moe_reference

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from megamoe_cli.kernel import heuristics, tuned
 from megamoe_cli.errors import MegaMoEError
+from megamoe_cli.kernel import heuristics, tuned
 from megamoe_cli.layout import PRESETS
 
 DSV3 = PRESETS["deepseek-v3"]
@@ -246,8 +246,8 @@ def test_non_utf8_store_is_named(store):
 def test_fp4_weights_have_their_own_key_and_fp8_keys_are_unchanged():
     import dataclasses
 
-    from megamoe_cli.layout import PRESETS
     from megamoe_cli.kernel.tuned import TunedKey, make_key
+    from megamoe_cli.layout import PRESETS
 
     fp8 = make_key("H200", 2, PRESETS["deepseek-v3"], 128)
     fp4 = make_key("H200", 2, dataclasses.replace(PRESETS["deepseek-v3"], weights="fp4"), 128)

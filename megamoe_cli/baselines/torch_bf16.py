@@ -50,13 +50,6 @@ import torch
 
 from ..errors import MegaMoEError
 from ..problem import Problem
-from ..reference.quant import (
-    BLOCK,
-    FP8_DTYPE,
-    dequantize_per_block,
-    dequantize_per_token,
-    quantize_per_token,
-)
 from ..reference.layer import (
     swiglu,
     all_to_all_rows,
@@ -67,6 +60,13 @@ from ..reference.layer import (
     pairs_by_expert,
     resolve_group,
     unpack_rows,
+)
+from ..reference.quant import (
+    BLOCK,
+    FP8_DTYPE,
+    dequantize_per_block,
+    dequantize_per_token,
+    quantize_per_token,
 )
 
 DTYPES = ("bf16w", "bf16")

@@ -63,14 +63,14 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernel import tuned
 from ..errors import MegaMoEError
-from .graphs import GraphReplay
+from ..kernel import tuned
 from ..kernel.kernel_source import MAX_SMEM_BYTES  # sm_90's opt-in shared memory per block
-from ..problem import Problem
-from ..reference.quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
-from ..reference.layer import resolve_group, swiglu
 from ..kernel.weight_layout import mxfp4_as_fp8_blocks
+from ..problem import Problem
+from ..reference.layer import resolve_group, swiglu
+from ..reference.quant import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_per_block, dequantize_per_token, quantize_per_token
+from .graphs import GraphReplay
 
 GEMMS = ("triton", "scaled_grouped_mm", "scaled_mm", "dequant")
 # GEMMs whose call reads nothing on the host, so the layer can be captured into a CUDA graph.

@@ -90,9 +90,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..kernel import tuned
 from ..errors import MegaMoEError, MegaMoETimeout
 from ..gpus import GpuSpec, gpu_spec
+from ..kernel import tuned
 from ..kernel.heuristics import default_config
 from ..kernel.kernel_source import (
     SUPPORTED_BLOCK_M,

@@ -56,9 +56,9 @@ import time
 from dataclasses import astuple, dataclass, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..kernel import tuned
 from ..errors import MegaMoEError
 from ..gpus import gpu_spec
+from ..kernel import tuned
 from ..layout import MoEShape
 from .sweep import Checker, Point, parse_yaml, read_sweep_file
 from .tune import EXCLUDED, TUNE_SWEEP_KEYS, CandidateResult, PointPlan, TuneSweep, expand_tune_doc

@@ -14,8 +14,8 @@ def check_tuned_config(tuned_config, points, console) -> None:
     fused kernel) the default store.  The ranks inherit the choice."""
     from pathlib import Path
 
-    from ..kernel import tuned
     from ..backends import HOPPER_ONLY
+    from ..kernel import tuned
 
     if tuned_config is not None:
         path = Path(tuned_config).expanduser()

@@ -106,8 +106,8 @@ def tune(backend, sweep_file, preset, hidden, intermediate, num_experts, num_top
     """
     from pathlib import Path
 
-    from ..kernel import tuned
     from ..bench import tune as library
+    from ..kernel import tuned
     from ._console import stderr_console
 
     ctx = click.get_current_context()
@@ -166,9 +166,9 @@ def _check_store(target, named_by) -> None:
     replaced by a rename, beside its lock file), or be one that can be created."""
     import os
 
-    from ..kernel import tuned
     from ..errors import MegaMoEError
     from ..files import check_writable
+    from ..kernel import tuned
 
     if named_by is None and os.environ.get(tuned.ENV_VAR):
         tuned.check_named_store()  # the message names the variable

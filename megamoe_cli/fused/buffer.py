@@ -9,8 +9,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..kernel import contract
 from ..errors import MegaMoEError
+from ..kernel import contract
 from ..kernel.kernel_source import KernelConfig
 from ..layout import BufferConfig, BufferLayout, MoEShape, build_layout, workspace_bytes
 from .diagnostics import describe_failure

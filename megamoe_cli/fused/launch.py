@@ -11,8 +11,8 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..kernel.contract import BLOCK_K, BLOCK_N, NUM_THREADS
 from ..errors import MegaMoEError
+from ..kernel.contract import BLOCK_K, BLOCK_N, NUM_THREADS
 from ..kernel.kernel_source import (
     KERNEL_NAME,
     KernelConfig,

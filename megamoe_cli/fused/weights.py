@@ -7,9 +7,9 @@ from typing import Tuple
 
 import torch
 
+from ..errors import MegaMoEError
 from ..kernel import weight_layout
 from ..kernel.contract import BLOCK_K, BLOCK_N
-from ..errors import MegaMoEError
 from ..kernel.kernel_source import FP4_STAGE_BYTES
 from ..layout import BufferConfig
 from ..reference.quant import check_mxfp4

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from typing import Optional, Tuple
 
-from . import tuned
-from .contract import check_block_m
 from ..errors import MegaMoEError
 from ..gpus import gpu_spec
-from .kernel_source import FP4_CONFIGS, MAX_SMEM_BYTES, SUPPORTED_BLOCK_M, SUPPORTED_STAGES, Variant, smem_bytes
 from ..layout import BufferConfig, MoEShape
+from . import tuned
+from .contract import check_block_m
+from .kernel_source import FP4_CONFIGS, MAX_SMEM_BYTES, SUPPORTED_BLOCK_M, SUPPORTED_STAGES, Variant, smem_bytes
 
 DEFAULT_KNOBS = {
     # Rows per pool block (the GEMM's M tile); see _block_m().

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Sequence, Tuple
 
-from . import contract
-from .contract import BLOCK_N, MAX_RANKS, MAX_TOPK, check_block_m
 from ..errors import MegaMoEError
 from ..layout import SEGMENT_NAMES, BufferConfig, BufferLayout, MoEShape
+from . import contract
+from .contract import BLOCK_N, MAX_RANKS, MAX_TOPK, check_block_m
 
 SUPPORTED_BLOCK_M = contract.SUPPORTED_BLOCK_M
 MAX_SMEM_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block

@@ -21,8 +21,8 @@ from typing import Tuple
 
 import torch
 
-from .kernel_source import BLOCK_N, FP4_STAGE_BYTES
 from ..reference.quant import MX_BLOCK, UE8M0_BIAS, e2m1_values, unpack_e2m1
+from .kernel_source import BLOCK_N, FP4_STAGE_BYTES
 
 BLOCK_K = 128
 # MXFP4 stage: 256 rows x 64 bytes of e2m1 codes (fp4_stages: each row's four 32-code runs, their

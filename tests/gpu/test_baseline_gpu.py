@@ -245,8 +245,8 @@ def _gpu_or_skip():
 
 
 def test_a_tuned_entry_is_read_at_prepare_runs_and_matches_the_reference(group, tmp_path, monkeypatch):
-    from megamoe_cli.kernel import tuned
     from megamoe_cli.baselines.torch_fp8 import tuned_key
+    from megamoe_cli.kernel import tuned
 
     gpu = _gpu_or_skip()
     rank, world = rank_and_world(group)

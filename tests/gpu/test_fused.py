@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from megamoe_cli.errors import MegaMoEError
-from megamoe_cli.kernel.contract import SUPPORTED_BLOCK_M
 from megamoe_cli.fused import FusedBackend, SymmBuffer, call_config, mega_moe, synchronize, transform_weights_for_mega_moe
+from megamoe_cli.kernel.contract import SUPPORTED_BLOCK_M
 from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem, make_routing
-from megamoe_cli.reference.quant import quantize_per_token
 from megamoe_cli.reference.layer import moe_reference_distributed
+from megamoe_cli.reference.quant import quantize_per_token
 from helpers import assert_output_ok
 
 

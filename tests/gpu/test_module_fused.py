@@ -16,8 +16,8 @@ import torch
 
 from megamoe_cli import fused
 from megamoe_cli.module import MegaMoE
-from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block, quantize_per_token
 from megamoe_cli.reference.layer import moe_reference
+from megamoe_cli.reference.quant import quantize_mxfp4, quantize_per_block, quantize_per_token
 from helpers import assert_output_ok, check_output
 
 pytestmark = pytest.mark.gpu

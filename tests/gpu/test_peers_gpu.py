@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megamoe_cli.backends import get_backend
-from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.baselines.peers import unavailable
+from megamoe_cli.layout import PRESETS, MoEShape
 from megamoe_cli.problem import make_problem
 from megamoe_cli.reference.layer import moe_reference_distributed
 from helpers import check_output

@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from ..torch_fp8 import LaunchConfig, _Layout, _Runner
 from ...errors import MegaMoEError
 from ...problem import Problem
-from ...reference.quant import BLOCK, FP8_DTYPE
 from ...reference.layer import resolve_group
+from ...reference.quant import BLOCK, FP8_DTYPE
+from ..torch_fp8 import LaunchConfig, _Layout, _Runner
 from . import DEEPGEMM, import_peer, version_of
 
 LAYOUTS = ("auto", "contiguous", "masked")

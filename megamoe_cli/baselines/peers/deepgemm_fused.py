@@ -17,11 +17,11 @@ from typing import Dict, Optional
 
 import torch
 
-from ..torch_fp8 import fp8_weights_of
 from ...errors import MegaMoEError
-from ..graphs import GraphReplay
 from ...problem import Problem
 from ...reference.quant import BLOCK
+from ..graphs import GraphReplay
+from ..torch_fp8 import fp8_weights_of
 from . import DEEPGEMM, import_peer, version_of
 
 _BUFFERS: Dict[tuple, object] = {}

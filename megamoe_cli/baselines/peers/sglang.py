@@ -34,12 +34,12 @@ from typing import Dict, Optional
 
 import torch
 
-from ..torch_fp8 import fp8_weights_of
 from ...errors import MegaMoEError
-from ..graphs import GraphReplay, capture
 from ...problem import Problem
-from ...reference.quant import BLOCK, dequantize_per_token
 from ...reference.layer import resolve_group
+from ...reference.quant import BLOCK, dequantize_per_token
+from ..graphs import GraphReplay, capture
+from ..torch_fp8 import fp8_weights_of
 from . import SGLANG, import_peer, version_of
 from .align import align_block_size
 
@@ -52,8 +52,8 @@ _PACKAGES = ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.moe
 def _group_quant_fp8(x: torch.Tensor, group: int, *args, **kwargs):
     """FP8 e4m3 per token per ``group`` channels in one Triton kernel (``triton_fp8.quantize``):
     what SGLang's CUDA ``sgl_per_token_group_quant_fp8`` computes."""
-    from .. import triton_fp8
     from ...reference.quant import FP8_DTYPE
+    from .. import triton_fp8
 
     if group != BLOCK:
         raise MegaMoEError(f"SGLang's kernels asked for groups of {group} channels; this pipeline quantizes by {BLOCK}")
