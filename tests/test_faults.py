@@ -576,7 +576,7 @@ def test_a_damaged_cache_entry_is_rebuilt_not_loaded(tmp_path, monkeypatch):
 NUM_ENTRIES = 2000
 WRITER = f"""
 import sys
-from megamoe_cli import tuned
+from megamoe_cli.kernel import tuned
 from megamoe_cli.layout import MoEShape
 
 path, generation = sys.argv[1], int(sys.argv[2])

@@ -108,7 +108,7 @@ def test_crash_between_temp_write_and_replace_leaves_old_file(store):
     script = textwrap.dedent(
         """
         import os
-        from megamoe_cli import tuned
+        from megamoe_cli.kernel import tuned
         from megamoe_cli.layout import PRESETS
 
         def die(src, dst):
