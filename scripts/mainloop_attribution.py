@@ -18,7 +18,8 @@ Steps, each timed from a CUDA graph with the L2 flushed before every replay (the
    torch.profiler beside the graph's;
 3. megamoe: the release build's kernel alone, then the profiling build (``MEGAMOE_PROFILE=1``,
    compiled here unless ``MEGAMOE_CACHE_DIR`` holds it) for ``--cycle-calls`` calls, its
-   counters read as ``megamoe profile --cycles`` reads them (``bench.profile.cycle_breakdown``).
+   counters read as ``megamoe profile --cycles`` reads them (``bench.profile.cycle_breakdown``)
+   and its trace for the gaps before L1 and L2 tiles (``attribution.tile_gaps``).
 
 Writes ``attribution.md`` and ``attribution.json`` to ``--out`` (printed to stdout either way).
 Needs a Hopper GPU, sgl-deep-gemm (``pip install 'megamoe[deepgemm]'``), and pynvml or
@@ -29,9 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-
-# DeepGEMM reads this when it picks a config; it must be set before its first GEMM.
-os.environ.setdefault("DG_PRINT_CONFIGS", "1")
 
 # Modules whose place in the package may change: imported here only.
 PEERS = "megamoe_cli.peers"
@@ -117,6 +115,7 @@ def measure_deepgemm(problem, flusher, clock_id, args):
 
     from megamoe_cli.bench import attribution as A
     from megamoe_cli.bench.clock import ClockSampler
+    from megamoe_cli.errors import MegaMoEError
 
     peer = importlib.import_module(PEER_DEEPGEMM)
     runner = peer.DeepGEMMBackend(graph=False).prepare(problem, None, {"layout": "contiguous"})
@@ -152,8 +151,8 @@ def measure_deepgemm(problem, flusher, clock_id, args):
         configs = A.parse_deepgemm_configs(printed.text + more.text)
         config = A.config_for(configs, n, k)
         if config is None:
-            raise SystemExit(f"mainloop_attribution.py: DeepGEMM printed no config for n={n} k={k} "
-                             f"(DG_PRINT_CONFIGS=1); it printed {len(configs)} other(s)")
+            raise MegaMoEError(f"DeepGEMM printed no config for its GEMM at n={n} k={k} with DG_PRINT_CONFIGS=1 "
+                               f"({len(configs)} config(s) for other GEMMs)")
         config.setdefault("num_sms", torch.cuda.get_device_properties(0).multi_processor_count)
         with ClockSampler(clock_id) as clock:
             graph_us = timed(call, flusher, args.warmup, args.iters)
@@ -170,6 +169,7 @@ def measure_megamoe(problem, flusher, clock_id, args):
     import torch
 
     from megamoe_cli.backends import get_backend
+    from megamoe_cli.bench import attribution as A
     from megamoe_cli.bench.clock import ClockSampler
     from megamoe_cli.bench.profile import FusedProbe, cycle_breakdown
     from megamoe_cli.fused.diagnostics import PROFILE_ENV
@@ -199,7 +199,7 @@ def measure_megamoe(problem, flusher, clock_id, args):
                 end.record()
                 probe.sync()
                 samples.append(start.elapsed_time(end) * 1e3)
-        counters = kernel.read_profile()
+        counters, trace = kernel.read_profile(), kernel.read_trace()
     finally:
         os.environ.pop(PROFILE_ENV, None)
     s = problem.shape
@@ -208,7 +208,7 @@ def measure_megamoe(problem, flusher, clock_id, args):
     num_sms -= num_sms % cfg.cluster_m
     return {"config": cfg.to_dict(), "num_sms": num_sms, "release_us": release_us, "release_mhz": release_mhz,
             "profile_us": statistics.median(samples), "profile_mhz": clock.median_mhz, "counters": counters,
-            "breakdown": cycle_breakdown(counters, s.hidden, s.intermediate)}
+            "breakdown": cycle_breakdown(counters, s.hidden, s.intermediate), "gaps": A.tile_gaps(trace)}
 
 
 def main(argv=None) -> int:
@@ -228,6 +228,9 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     import importlib
+
+    # DeepGEMM prints each config it picks with this set (read when it picks, before its first GEMM).
+    os.environ["DG_PRINT_CONFIGS"] = "1"
 
     import torch
 
@@ -266,10 +269,12 @@ def report(args, point, counts, deepgemm, fused, gpu, peer_version):
         g = peer[name]
         dg = A.deepgemm_row(name, counts, align, g["n"], g["k"], g["config"], g["kernel_us"], g["clock_mhz"])
         dg.notes.update(graph_us=g["graph_us"], kernel=g["kernel"], config=g["config"])
+        if g["config"].get("swap_ab"):
+            dg.notes["swap_ab"] = "DeepGEMM swapped A and B: its tiles are counted as block_m along m"
         mine = A.megamoe_row(name, counts, cfg["block_m"], g["n"], g["k"], fused["num_sms"], b,
                              fused["profile_mhz"], cfg["num_stages"], cfg["cluster_m"])
         layers.append((mine, dg))
-    split = A.split_call(b, fused["profile_us"], fused["profile_mhz"], layers)
+    split = A.split_call(b, fused["profile_us"], fused["profile_mhz"], layers, fused.get("gaps"))
     facts = {
         "gpu": gpu,
         "point": point,

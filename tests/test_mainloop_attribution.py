@@ -144,11 +144,16 @@ def test_tables_and_files(tmp_path):
 # ---------------------------------------------------------------------------
 # DeepGEMM's printed configs
 
-NEW = ("GemmDesc(gemm_type=1, kernel_type=2, m=29056, n=4096, k=7168, num_groups=256, major_a=0, major_b=0, "
-       "mma_kind=0, a_dtype=Float8_e4m3fn, num_sms=132, tc_util=100): GemmConfig(layout=Layout(swap_ab=0, "
-       "block_m=128, block_n=160, block_k=128, cluster_m=1, cluster_n=2), storage_config=StorageConfig("
-       "load_block_n=160, swizzle_a_mode=128), pipeline_config=PipelineConfig(num_stages=5), "
-       "launch_config=LaunchConfig(num_sms=132, num_sms_per_cluster=2, num_threads=384), split_k=1)")
+# As sgl-deep-gemm's GemmDesc and GemmConfig print themselves (``desc << ": " << config``).
+NEW = ("GemmDesc(gemm_type=1, kernel_type=1, m=29056, n=4096, k=7168, num_groups=256, major_a=0, major_b=0, "
+       "mma_kind=1, a_dtype=Float8_e4m3fn, b_dtype=Float8_e4m3fn, cd_dtype=BFloat16, with_accumulation=0, "
+       "num_sms=132, tc_util=100, compiled_dims=nk, ensure_zero_padding=1, expected_m=0, expected_n=0, "
+       "expected_k=0, expected_num_groups=0): GemmConfig(layout=Layout(swap_ab=0, block_m=128, block_n=160, "
+       "block_k=128, cluster_m=1, cluster_n=2), storage_config=StorageConfig(load_block_m=128, load_block_n=160, "
+       "store_block_m=128, store_block_n=160, swizzle_a_mode=128, swizzle_b_mode=128, swizzle_cd_mode=64), "
+       "pipeline_config=PipelineConfig(smem_size=220000, num_stages=5), launch_config=LaunchConfig(num_sms=132, "
+       "num_sms_per_cluster=2, num_threads=384, num_tma_threads=128, num_math_threads=256, "
+       "num_non_epilogue_threads=128, num_epilogue_threads=256), split_k=1)")
 OLD = ("GEMM type: 1, kernel type: 0, M: 29056, N: 7168, K: 2048, groups: 1, A major: 0, B major: 0, "
        "SM limit: 132 -> block M: 128, block N: 112, block K: 128, stages: 8, last stages: 0, SMs: 128, "
        "multicast: 2, multicast on A: 1, swizzle A: 128")
@@ -225,7 +230,7 @@ def test_script_report_from_measurements(tmp_path, capsys):
     deepgemm = ({"L1": gemm(4096, 7168, 900.0), "L2": gemm(7168, 2048, 500.0)}, 3072, 128, True)
     fused = {"config": {"block_m": 128, "num_stages": 4, "num_sms": 0, "cluster_m": 1}, "num_sms": 132,
              "release_us": 650.0, "release_mhz": 1600.0, "profile_us": 700.0, "profile_mhz": 1000.0,
-             "breakdown": _breakdown()}
+             "breakdown": _breakdown(), "gaps": {1: 1.0, 2: 3.0}}
     script.report(args, "fused point", [1000, 2000], deepgemm, fused, "H200", "sgl-deep-gemm 0.1.5.post1")
     printed = capsys.readouterr().out
     doc = json.loads((tmp_path / "out" / "attribution.json").read_text())
@@ -237,3 +242,35 @@ def test_script_report_from_measurements(tmp_path, capsys):
     assert peer_l1["cycles_per_k_block"] == pytest.approx(900 * 1500 * 132 / (624 * 56))
     assert doc["facts"]["megamoe release call us"] == "650.0 at 1600 MHz"
     assert "counters cost +50.0 us" in doc["facts"]["megamoe profiling-build call us"]
+    waits = {r["row"]: r["us"] for r in doc["split"]}
+    assert waits["tile starts before L2 tiles (L1 -> L2 waits)"] == pytest.approx(15.0)  # 3/4 of 20 us
+
+
+def _event(cta, kind, clock, layer, epoch=1):
+    return {"time_ns": clock, "clock": clock, "cta": cta, "kind": kind, "epoch": epoch, "layer": layer,
+            "expert": 0, "n": 0, "block": 0}
+
+
+def test_tile_gaps_by_the_next_tiles_layer():
+    events = [_event(0, "cta_start", 0, 1), _event(1, "cta_start", 0, 1),
+              # CTA 0: L1 tile 10-100, gap 20, L2 tile 120-200, gap 5, L1 tile 205-300
+              _event(0, "tile_start", 10, 1), _event(0, "tile_end", 100, 1), _event(0, "tile_start", 120, 2),
+              _event(0, "tile_end", 200, 2), _event(0, "tile_start", 205, 1), _event(0, "tile_end", 300, 1),
+              # CTA 1 (events out of order): L1 tile 0-50, gap 30 before an L2 tile
+              _event(1, "tile_end", 50, 1), _event(1, "tile_start", 0, 1), _event(1, "tile_start", 80, 2),
+              _event(1, "tile_end", 150, 2),
+              _event(0, "cta_end", 310, 1), _event(1, "cta_end", 160, 1)]
+    assert A.tile_gaps(events) == {1: 5.0, 2: 50.0}
+    # an older, complete call is ignored when a newer one is complete too
+    older = [dict(e, epoch=0, clock=e["clock"] * 7) for e in events]
+    assert A.tile_gaps(older + events) == {1: 5.0, 2: 50.0}
+
+
+def test_split_shares_the_tile_wait_by_the_gaps():
+    rows = A.split_call(_breakdown(), 700.0, 1000.0, _layers(), gaps={1: 5.0, 2: 15.0})
+    got = dict(rows)
+    assert got["tile starts before L1 tiles (dispatch arrivals)"] == pytest.approx(5.0)
+    assert got["tile starts before L2 tiles (L1 -> L2 waits)"] == pytest.approx(15.0)
+    assert sum(v for _, v in rows) == pytest.approx(700.0)
+    assert "tile starts (first-stage waits, L1 -> L2 and arrivals)" in dict(A.split_call(
+        _breakdown(), 700.0, 1000.0, _layers(), gaps={1: 0.0, 2: 0.0}))

@@ -260,17 +260,49 @@ def megamoe_row(gemm: str, rows_per_expert: Sequence[int], block_m: int, n: int,
 # The call split
 
 
-def split_call(breakdown: Mapping[str, Any], call_us: float, clock_mhz: float, layers: Sequence[Tuple[GemmRow, GemmRow]]
-               ) -> List[Tuple[str, float]]:
+def tile_gaps(events: Sequence[Mapping[str, Any]]) -> Dict[int, float]:
+    """Cycles each CTA's consumers spent between a tile's end and the next tile's start, summed
+    over CTAs per layer of the next tile (``{1: .., 2: ..}``), from the profiling build's trace
+    (``fused.launch.Kernel.read_trace``; its newest complete call).  The gaps before L2 tiles
+    are where the L1 -> L2 dependency shows: the A rows of an L2 tile are L1's output."""
+    from .timeline import last_call
+
+    per_cta: Dict[int, List[Tuple[int, str, int]]] = {}
+    for e in last_call(list(events)):
+        if e["kind"] in ("tile_start", "tile_end"):
+            per_cta.setdefault(int(e["cta"]), []).append((int(e["clock"]), str(e["kind"]), int(e["layer"])))
+    gaps = {1: 0.0, 2: 0.0}
+    for marks in per_cta.values():
+        marks.sort(key=lambda mark: mark[0])
+        end = None
+        for clock, kind, layer in marks:
+            if kind == "tile_end":
+                end = clock
+            elif end is not None:
+                gaps[layer] += clock - end
+                end = None
+    return gaps
+
+
+def split_call(breakdown: Mapping[str, Any], call_us: float, clock_mhz: float, layers: Sequence[Tuple[GemmRow, GemmRow]],
+               gaps: Optional[Mapping[int, float]] = None) -> List[Tuple[str, float]]:
     """The fused call's ``call_us`` as (row, us) that add up to it: the counted spans of a mean
     consumer warpgroup (``breakdown["consumer"]``: cycles per call), its K loops split into their
     K blocks at DeepGEMM's rate per tile area (useful rows, padding rows) and what they took
-    beyond it, then ``RESIDUAL_ROWS``.  ``layers``: (megamoe row, DeepGEMM row) of L1 and L2."""
+    beyond it, then ``RESIDUAL_ROWS``.  ``layers``: (megamoe row, DeepGEMM row) of L1 and L2.
+    ``gaps`` (``tile_gaps``): the tile starts' counted wait is shared between L1 and L2 tiles
+    as the trace's gaps before them are."""
     c = breakdown["consumer"]
     us = lambda cycles: cycles / clock_mhz  # noqa: E731
-    rows: List[Tuple[str, float]] = [("start: dispatch, count exchange, schedule", us(c["start"])),
-                                     ("tile starts (first-stage waits, incl. L1 -> L2 and arrivals)",
-                                      us(c["tile_first_stage_wait"]))]
+    rows: List[Tuple[str, float]] = [("start: dispatch, count exchange, schedule", us(c["start"]))]
+    wait = c["tile_first_stage_wait"]
+    total_gaps = sum(gaps.values()) if gaps else 0.0
+    if total_gaps > 0:
+        l2_share = gaps.get(2, 0.0) / total_gaps
+        rows += [("tile starts before L1 tiles (dispatch arrivals)", us(wait * (1 - l2_share))),
+                 ("tile starts before L2 tiles (L1 -> L2 waits)", us(wait * l2_share))]
+    else:
+        rows.append(("tile starts (first-stage waits, L1 -> L2 and arrivals)", us(wait)))
     at_rate = 0.0
     for mine, peer in layers:
         layer = mine.gemm.lower()
