@@ -60,7 +60,7 @@ def test_per_area_and_tflops():
 
 def test_deepgemm_row_walks_the_padded_pool():
     config = {"block_m": 128, "block_n": 160, "num_sms": 132, "num_stages": 5, "multicast": 2}
-    row = A.deepgemm_row("L1", [100, 300], 128, 4096, 7168, config, 1000.0, 1500.0)
+    row = A.deepgemm_row("L1", [100, 300], A.padded_rows([100, 300], 128), 4096, 7168, config, 1000.0, 1500.0)
     assert (row.m_useful, row.m_padded) == (400, 128 + 384)
     assert row.tiles == 4 * 26  # 512 / 128 row blocks, ceil(4096 / 160) N tiles
     assert row.cycles_per_k_block == pytest.approx(1000 * 1500 * 132 / (104 * 56))

@@ -225,12 +225,12 @@ class GemmRow:
         return out
 
 
-def deepgemm_row(gemm: str, rows_per_expert: Sequence[int], align: int, n: int, k: int, config: Mapping[str, Any],
-                 kernel_us: float, clock_mhz: float) -> GemmRow:
-    """DeepGEMM's GEMM at its printed config, its per-K-block cycles derived from its kernel time."""
+def deepgemm_row(gemm: str, rows_per_expert: Sequence[int], m_padded: int, n: int, k: int,
+                 config: Mapping[str, Any], kernel_us: float, clock_mhz: float) -> GemmRow:
+    """DeepGEMM's GEMM on a pool of ``m_padded`` rows (every expert's padded to its M alignment)
+    at its printed config, its per-K-block cycles derived from its kernel time."""
     block_m, block_n, num_sms = int(config["block_m"]), int(config["block_n"]), int(config["num_sms"])
-    # Its scheduler walks the whole pool (every expert's rows padded to ``align``) in block_m steps.
-    m_padded = padded_rows(rows_per_expert, align)
+    # Its scheduler walks the whole pool in block_m steps.
     tiles = -(-m_padded // block_m) * -(-n // block_n)
     return GemmRow(gemm, "deepgemm", sum(rows_per_expert), m_padded, n, k, block_m,
                    block_n, tiles, num_sms, kernel_us,
