@@ -21,6 +21,8 @@ measured clock, the main loop cut into its K blocks at DeepGEMM's rate (useful a
 and the rest beyond it, and two rows no counter covers (``RESIDUAL_ROWS``): consumer cycles
 between the counted spans, and the time outside the consumers' span (launch, CTA start, the
 slowest CTA past the mean).
+
+Imports: ``timeline`` (inside ``tile_gaps``); nothing else of the package, and no torch.
 """
 
 from __future__ import annotations

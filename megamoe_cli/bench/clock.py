@@ -6,7 +6,7 @@ Two sources, the first that works: NVML (``pynvml``, read in a thread) or ``nvid
 --query-gpu=clocks.sm -lms N`` in a subprocess.  Either way the samples are MHz readings taken
 every ``period_ms`` while the ``with`` block runs; ``median_mhz`` is what a caller converts with.
 
-Imports: standard library only (``pynvml`` inside ``ClockSampler`` when it is installed).
+Imports: ``errors``; ``pynvml`` inside ``ClockSampler`` when it is installed.
 """
 
 from __future__ import annotations
