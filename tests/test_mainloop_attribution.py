@@ -241,6 +241,8 @@ def test_script_report_from_measurements(tmp_path, capsys):
     assert peer_l1["tiles"] == 24 * 26
     assert peer_l1["cycles_per_k_block"] == pytest.approx(900 * 1500 * 132 / (624 * 56))
     assert doc["facts"]["megamoe release call us"] == "650.0 at 1600 MHz"
+    # 900 us x 1500 MHz over ceil(624 / 132) = 5 waves of 56 K blocks
+    assert f"L1: DeepGEMM on the busiest SM (whole waves, idle SMs left out): {900 * 1500 / (5 * 56):,.0f}" in printed
     assert "counters cost +50.0 us" in doc["facts"]["megamoe profiling-build call us"]
     waits = {r["row"]: r["us"] for r in doc["split"]}
     assert waits["tile starts before L2 tiles (L1 -> L2 waits)"] == pytest.approx(15.0)  # 3/4 of 20 us

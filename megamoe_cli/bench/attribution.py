@@ -377,7 +377,11 @@ def report_text(title: str, facts: Mapping[str, Any], layers: Sequence[Tuple[Gem
         "## Per GEMM\n\nDeepGEMM's time is its GEMM kernel's (cold L2, median); its cycles per K block are "
         "derived from that time, the measured SM clock and every SM it ran on.  megamoe's time is the layer's "
         "K loops per SM and its cycles per K block are counted (profiling build).  The ratio compares cycles per "
-        "128x128 of tile area (above 1: megamoe's loop is slower).\n\n" + gemm_table(layers),
+        "128x128 of tile area.  DeepGEMM's figure holds its epilogues and idle last-wave SMs too, so a ratio "
+        "above 1 is a lower bound of how much slower megamoe's loop is.\n\n" + gemm_table(layers)
+        + "".join(f"\n\n{peer.gemm}: DeepGEMM on the busiest SM (whole waves, idle SMs left out): "
+                  f"{peer.notes['critical_path_cycles_per_k_block']:,.0f} cycles per K block"
+                  for _, peer in layers if "critical_path_cycles_per_k_block" in peer.notes),
         f"## Where the fused call's {call_us:,.1f} us go\n\nCounters of the profiling build per consumer "
         f"warpgroup, mean per call, at the measured clock.  Residual (rows no counter covers): {residual:,.1f} us "
         f"({residual / call_us:.1%}).\n\n" + split_table(split, call_us),
