@@ -29,7 +29,7 @@ def test_small_point_end_to_end(group, tmp_path):
         pytest.skip(missing)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "mainloop_attribution.py"), "--preset", "small",
-                           "--tokens", "512", "--iters", "5", "--cycle-calls", "2", "--out", str(tmp_path)],
+                           "--tokens", "2048", "--iters", "5", "--cycle-calls", "2", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((tmp_path / "attribution.json").read_text())
@@ -38,7 +38,7 @@ def test_small_point_end_to_end(group, tmp_path):
     assert set(gemms) == {("L1", "megamoe"), ("L1", "deepgemm"), ("L2", "megamoe"), ("L2", "deepgemm")}
     for (layer, side), g in gemms.items():
         assert (g["n"], g["k"]) == ((512, 512) if layer == "L1" else (512, 256))
-        assert g["m_useful"] == 512 * 2 and g["m_padded"] >= g["m_useful"]
+        assert g["m_useful"] == 2048 * 2 and g["m_padded"] >= g["m_useful"]
         assert 0 < g["cycles_per_k_block"] < 1e6, (layer, side, g["cycles_per_k_block"])
         assert 0 < g["num_sms"] <= sms and 0 < g["clock_mhz"] < 3000
         assert g["tiles"] > 0 and 0 < g["last_wave_use"] <= 1
