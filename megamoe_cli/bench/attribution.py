@@ -22,7 +22,7 @@ and the rest beyond it, and two rows no counter covers (``RESIDUAL_ROWS``): cons
 between the counted spans, and the time outside the consumers' span (launch, CTA start, the
 slowest CTA past the mean).
 
-Imports: ``timeline`` (inside ``tile_gaps``); nothing else of the package, and no torch.
+Imports: ``timeline`` (inside ``tile_gaps``) and ``contract`` (inside ``megamoe_row``); no torch.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 K_BLOCK = 128
 UNIT_AREA = 128 * 128
-MEGAMOE_BLOCK_N = 256  # contract.BLOCK_N, spelled here so this module stays free of the kernel's modules
 
 RESIDUAL_ROWS = ("consumer cycles between counted spans", "outside the consumers' span")
 
@@ -247,13 +246,15 @@ def megamoe_row(gemm: str, rows_per_expert: Sequence[int], block_m: int, n: int,
     """The fused kernel's layer ``gemm`` from the counters (``profile.cycle_breakdown``): its K
     loops' cycles per K block, and their time per SM (the mean warpgroup's loop cycles of that
     layer over the clock)."""
+    from ..contract import BLOCK_N
+
     layer = gemm.lower()
     c = breakdown["consumer"]
     per_k_block = breakdown["per_k_block"][layer] or 0.0
     loop_cycles = per_k_block * c[f"tiles_{layer}"] * k_blocks(k)
     counted = c[f"tiles_{layer}"] * num_sms
     return GemmRow(gemm, "megamoe", sum(rows_per_expert), padded_rows(rows_per_expert, block_m), n, k, block_m,
-                   MEGAMOE_BLOCK_N, grouped_tiles(rows_per_expert, block_m, n, MEGAMOE_BLOCK_N), num_sms,
+                   BLOCK_N, grouped_tiles(rows_per_expert, block_m, n, BLOCK_N), num_sms,
                    loop_cycles / clock_mhz, per_k_block, stages=stages, multicast=cluster_m,
                    clock_mhz=clock_mhz, notes={"tiles_counted": counted})
 
