@@ -25,7 +25,7 @@ def test_bus_id():
 def _fake_smi(folder, readings):
     path = folder / "nvidia-smi"
     lines = "".join(f"echo {r}; sleep 0.01; " for r in readings)
-    path.write_text(f"#!/bin/sh\n{lines}\nsleep 30\n")
+    path.write_text(f"#!/bin/sh\n{lines}\nexec sleep 30\n")  # exec: terminating it ends the sleep too
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return folder
 
