@@ -287,7 +287,8 @@ def tile_gaps(events: Sequence[Mapping[str, Any]]) -> Dict[int, float]:
     return gaps
 
 
-def split_call(breakdown: Mapping[str, Any], call_us: float, clock_mhz: float, layers: Sequence[Tuple[GemmRow, GemmRow]],
+def split_call(breakdown: Mapping[str, Any], call_us: float, clock_mhz: float,
+               layers: Sequence[Tuple[GemmRow, GemmRow]],
                gaps: Optional[Mapping[int, float]] = None) -> List[Tuple[str, float]]:
     """The fused call's ``call_us`` as (row, us) that add up to it: the counted spans of a mean
     consumer warpgroup (``breakdown["consumer"]``: cycles per call), its K loops split into their
