@@ -133,6 +133,20 @@ def test_other_weights_or_config_get_their_own_plan(plans):
     assert len(plans) == 3
 
 
+def test_the_profiling_switch_gets_its_own_plan(plans, monkeypatch):
+    # A process that times the release build and then sets MEGAMOE_PROFILE=1 must launch the
+    # counting kernel, not the release plan it already holds.
+    buf, (l1, l2) = cpu_buffer(), weights()
+    monkeypatch.delenv("MEGAMOE_PROFILE", raising=False)
+    call(buf, l1, l2)
+    monkeypatch.setenv("MEGAMOE_PROFILE", "1")
+    call(buf, l1, l2)
+    assert len(plans) == 2
+    monkeypatch.delenv("MEGAMOE_PROFILE")
+    call(buf, l1, l2)
+    assert len(plans) == 2, "back to the release plan"
+
+
 def test_a_plan_serves_only_the_live_weights_it_was_built_for(plans):
     buf, (l1, l2) = cpu_buffer(), weights()
     call(buf, l1, l2)

@@ -324,13 +324,17 @@ class FusedProbe:
     def sync(self) -> None:
         self._synchronize(self.runner.buf)
 
-    def counters(self, calls: int) -> Tuple[Dict[str, int], List[Dict[str, Any]]]:
-        """(cycle counters summed over ``calls`` kernel calls back to back, their timeline events)."""
+    def built(self) -> Any:
+        """The loaded kernel the calls run (``fused.launch.Kernel``: its counters and trace)."""
         from ..fused.launch import get_kernel
         from ..kernel.kernel_source import variant_for
 
         buf = self.runner.buf
-        kernel = get_kernel(variant_for(buf.config, self.runner.kernel_cfg), buf.device)
+        return get_kernel(variant_for(buf.config, self.runner.kernel_cfg), buf.device)
+
+    def counters(self, calls: int) -> Tuple[Dict[str, int], List[Dict[str, Any]]]:
+        """(cycle counters summed over ``calls`` kernel calls back to back, their timeline events)."""
+        kernel = self.built()
         self.sync()
         kernel.reset_profile()
         for _ in range(calls):

@@ -33,6 +33,7 @@ from ..formats import WeightFormat
 from ..kernel.kernel_source import ENV_EXPERIMENT, KernelConfig, experiment_defines
 from ..layout import BufferConfig, MoEShape
 from .buffer import SymmBuffer, input_addresses
+from .diagnostics import profiling_enabled
 from .inputs import INPUT_NAMES, NO_INPUTS, check_inputs, check_tensor, copy_checked
 from .launch import ENV_TIMEOUT, build_plan, current_stream
 from .weights import ExpertWeights, transform_weights_for_mega_moe
@@ -124,7 +125,10 @@ def _plan_key(l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig) -> tup
     # Plans live on the buffer (they die with it), one per config, environment of the build and weight
     # set; the weights' ids find a plan and the plan confirms they are the objects it was built for
     # (a dropped set's id may come back), which costs far less per call than hashing their shapes.
-    return (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_EXPERIMENT), id(l1), id(l2))
+    # The profiling switch is part of the build, so a process that sets it after a release call
+    # gets the counting kernel, not the release plan it already holds.
+    return (config, os.environ.get(ENV_TIMEOUT), os.environ.get(ENV_EXPERIMENT), profiling_enabled(), id(l1),
+            id(l2))
 
 
 def _plan(buf: SymmBuffer, l1: ExpertWeights, l2: ExpertWeights, config: KernelConfig,
