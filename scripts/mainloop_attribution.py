@@ -79,7 +79,7 @@ def timed(call, flush, warmup, iters):
     import torch
 
     from megamoe_cli.bench.session import time_calls
-    from megamoe_cli.graphs import capture
+    from megamoe_cli.baselines.graphs import capture
 
     call()
     graph = capture(call, torch.device("cuda", torch.cuda.current_device()))
